@@ -1,0 +1,37 @@
+"""Shared pytest configuration: hypothesis profiles and device parametrisation.
+
+Hypothesis profiles (select with ``HYPOTHESIS_PROFILE=<name>``):
+
+* ``fast`` (default): few examples, derandomised, so CI is quick and reproducible.
+* ``thorough``: many examples and a fresh random seed each run, for local hunting.
+"""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "fast",
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
+           pytest.mark.skipif(not CUDA, reason="no CUDA device present")])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Every device this machine has: ``cpu`` always, ``cuda`` when present (else skipped)."""
+    return torch.device(request.param)
