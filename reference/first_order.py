@@ -72,3 +72,19 @@ def lamb(p, g, state, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
     p_norm, r_norm = np.linalg.norm(p), np.linalg.norm(r)
     trust = p_norm / r_norm if p_norm > 0 and r_norm > 0 else 1.0
     return p - lr * trust * r
+
+
+def muon(p, g, state, *, lr, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7,
+         weight_decay=0.0):
+    r"""Muon (Jordan 2024) as ``torch.optim.Muon`` writes it, on a 2-D parameter.
+
+    buf <- beta buf + (1-beta) g;  d = (1-beta) g + beta buf (Nesterov) or buf;
+    p <- p (1 - lr wd) - lr s NS(d),  s = sqrt(max(1, A/B)).
+    """
+    from .matrix_functions import newton_schulz  # local: first_order stays matrix-free
+
+    _count(state)
+    buf = state["buf"] = momentum * state.get("buf", np.zeros_like(p)) + (1 - momentum) * g
+    d = (1 - momentum) * g + momentum * buf if nesterov else buf
+    scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+    return p * (1 - lr * weight_decay) - lr * scale * newton_schulz(d, steps=ns_steps, eps=eps)

@@ -1,0 +1,232 @@
+"""MARS in NumPy float64, one function per equation of arXiv 2411.10438 (M1-M14).
+
+Symbols follow ``shared/spec/MARS.md``: g_t the stochastic gradient, c_t the corrected
+gradient, c~_t its clipped version, m/v the moments, k the step (from 1), a = gamma beta1/(1-beta1),
+s = sqrt(max(1, A/B)) for an A x B matrix.  ``MARSReference`` at the bottom strings the
+equations together in the official code's order; it is the oracle for ``torch_impl.MARS``.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .matrix_functions import newton_schulz, orthogonalize_svd
+
+MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
+CLIP_SCOPES = ("tensor", "global", "none")
+ORTHOGONALIZERS = ("newton_schulz", "svd")
+WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
+
+
+# ---------------------------------------------------------------- core recursion (2.1)
+
+def correction_coefficient(gamma, beta1):
+    """a = gamma beta1 / (1 - beta1), the weight of the gradient difference in (M1)/(M2)."""
+    return gamma * beta1 / (1.0 - beta1)
+
+
+def corrected_gradient(g, g_prev, gamma, beta1):
+    r"""(M1)/(M2)  c_t = g_t + a (g_t - g_prev).
+
+    Exact mode (M1): g_prev = grad f(x_{t-1}, xi_t), the *new* batch at the *old* point.
+    Approx mode (M2): g_prev = g_{t-1}, the previous step's gradient.  g_prev = 0 at step 1,
+    so c_1 = (1 + a) g_1.
+    """
+    return g + correction_coefficient(gamma, beta1) * (g - g_prev)
+
+
+def clip_tensor(c):
+    r"""(M3), official scope:  c~ = c / ||c||_F  if ||c||_F > 1,  else c  (one tensor)."""
+    norm = np.linalg.norm(c)
+    return c / norm if norm > 1.0 else c
+
+
+def clip_global(cs):
+    r"""(M3), paper scope: one Euclidean norm over the whole parameter vector (all tensors)."""
+    norm = np.sqrt(sum(np.sum(c * c) for c in cs))
+    return [c / norm for c in cs] if norm > 1.0 else list(cs)
+
+
+def momentum(m, c, beta1):
+    r"""(M4)  m_t = beta1 m_{t-1} + (1 - beta1) c~_t,  m_0 = 0."""
+    return beta1 * m + (1.0 - beta1) * c
+
+
+# ---------------------------------------------------------------- MARS-AdamW (2.2)
+
+def second_moment(v, c, beta2):
+    r"""(M6)  v_t = beta2 v_{t-1} + (1 - beta2) c~_t * c~_t  (the clipped corrected gradient)."""
+    return beta2 * v + (1.0 - beta2) * c * c
+
+
+def amsgrad_max(v_max, v):
+    r"""(M9)  v-bar_t = max(v-bar_{t-1}, v_t), used in place of v in (M7)."""
+    return np.maximum(v_max, v)
+
+
+def adamw_direction(m, v, k, beta1, beta2, eps):
+    r"""(M7)  u = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps),  bc_i = 1 - beta_i^k.
+
+    Written, like the official code, as m / ((sqrt(v) / sqrt(bc2) + eps) bc1).
+    """
+    bc1, bc2 = 1.0 - beta1**k, 1.0 - beta2**k
+    return m / ((np.sqrt(v) / np.sqrt(bc2) + eps) * bc1)
+
+
+def decoupled_step(p, u, lr, weight_decay):
+    r"""(M8), also the last line of (M10) and (M12):  p <- p - lr (u + lambda p)."""
+    return p - lr * (u + weight_decay * p)
+
+
+# ---------------------------------------------------------------- MARS-Lion (2.3)
+
+def lion_direction(m):
+    r"""(M10)  u = sign(m_t): every coordinate moves by exactly lr (0 where m_i = 0)."""
+    return np.sign(m)
+
+
+# ---------------------------------------------------------------- MARS-Shampoo (2.4)
+
+def shape_scale(shape):
+    r"""s = sqrt(max(1, A / B)) for an A x B matrix (official MARS-Shampoo and Muon scale)."""
+    rows, cols = shape
+    return max(1.0, rows / cols) ** 0.5
+
+
+def shampoo_direction(m, beta1, eps, orthogonalizer="newton_schulz", ns_steps=5):
+    r"""(M11)/(M12)  u = s O(m / (1 - beta1)), O = NS (official, with the optimizer's eps) or
+    U V^T (paper).  The 1/(1-beta1) prescale changes nothing up to eps: both maps are
+    scale invariant."""
+    scaled = m / (1.0 - beta1)
+    if orthogonalizer == "svd":
+        direction = orthogonalize_svd(scaled)
+    else:
+        direction = newton_schulz(scaled, steps=ns_steps, eps=eps)
+    return shape_scale(m.shape) * direction
+
+
+# ---------------------------------------------------------------- routing (2.5)
+
+def takes_mars_path(shape, optimize_1d):
+    """A tensor takes the mars_type update if it is 2-D or ``optimize_1d``; else (M14)."""
+    return len(shape) == 2 or optimize_1d
+
+
+# ---------------------------------------------------------------- the optimizer
+
+@dataclass
+class MARSConfig:
+    """Hyperparameters; names and defaults are the official class's (spec section 3),
+    plus the documented deviations (section 4)."""
+    lr: float = 3e-3
+    betas: tuple = (0.95, 0.99)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    gamma: float = 0.025
+    is_approx: bool = True
+    mars_type: str = "mars-adamw"
+    optimize_1d: bool = False
+    lr_1d: float = 3e-3
+    betas_1d: tuple = (0.9, 0.95)
+    weight_decay_1d: float = 0.1
+    clip_scope: str = "tensor"
+    orthogonalizer: str = "newton_schulz"
+    ns_steps: int = 5
+    weight_decay_1d_source: str = "constructor"
+
+
+class MARSReference:
+    """The whole optimizer over a list of float64 arrays (one parameter group).
+
+    ``step(grads, prev_grads=None)`` returns the new parameters.  In approx mode the
+    correction uses the stored raw g_{t-1}; in exact mode the caller passes
+    prev_grads = grad f(x_{t-1}, xi_t) (ignored at step 1, where g_prev = 0 in both modes).
+    ``lr`` may be changed between steps (a schedule); the 1-D learning rate follows it through
+    the constructor ratio r = lr_1d / lr (spec 2.5).
+    """
+
+    def __init__(self, params, config=None):
+        self.config = config or MARSConfig()
+        self.params = [np.array(p, dtype=np.float64) for p in params]
+        self.lr = self.config.lr
+        self.lr_1d_factor = self.config.lr_1d / self.config.lr if self.config.lr > 0 else 0.0
+        self.k = 0
+        zeros = [np.zeros_like(p) for p in self.params]
+        self.exp_avg = [z.copy() for z in zeros]
+        self.exp_avg_sq = [z.copy() for z in zeros]
+        self.max_exp_avg_sq = [z.copy() for z in zeros]
+        self.last_grad = [z.copy() for z in zeros]
+
+    def step(self, grads, prev_grads=None):
+        cfg, b1, b2 = self.config, *self.config.betas
+        self.k += 1
+        grads = [np.asarray(g, dtype=np.float64) for g in grads]
+        if not cfg.is_approx and self.k > 1:
+            if prev_grads is None:
+                raise ValueError("exact mode needs prev_grads = grad f(x_{t-1}, xi_t)")
+            self.last_grad = [np.asarray(g, dtype=np.float64) for g in prev_grads]
+        on_mars = [takes_mars_path(p.shape, cfg.optimize_1d) for p in self.params]
+
+        corrected = [corrected_gradient(g, gp, cfg.gamma, b1) if mars else None
+                     for g, gp, mars in zip(grads, self.last_grad, on_mars)]
+        corrected = self._clip(corrected)
+
+        for i, (p, g, c) in enumerate(zip(self.params, grads, corrected)):
+            if c is None:
+                self.params[i] = self._fallback(i, p, g)
+            else:
+                self.params[i] = self._mars_update(i, p, c)
+        if cfg.is_approx:
+            self.last_grad = [g.copy() for g in grads]  # the raw g, never c~ (spec B1, F1)
+        return [p.copy() for p in self.params]
+
+    def _clip(self, corrected):
+        scope = self.config.clip_scope
+        if scope == "tensor":
+            return [None if c is None else clip_tensor(c) for c in corrected]
+        if scope == "global":
+            live = [c for c in corrected if c is not None]
+            clipped = iter(clip_global(live))
+            return [None if c is None else next(clipped) for c in corrected]
+        return corrected
+
+    def _mars_update(self, i, p, c):
+        cfg, b1, b2 = self.config, *self.config.betas
+        m = self.exp_avg[i] = momentum(self.exp_avg[i], c, b1)
+        if cfg.mars_type == "mars-lion":
+            u = lion_direction(m)
+        elif cfg.mars_type == "mars-shampoo" and p.ndim == 2:
+            u = shampoo_direction(m, b1, cfg.eps, cfg.orthogonalizer, cfg.ns_steps)
+        else:  # mars-adamw, and the non-2-D tensors of mars-shampoo with optimize_1d
+            v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], c, b2)
+            if cfg.amsgrad:
+                v = self.max_exp_avg_sq[i] = amsgrad_max(self.max_exp_avg_sq[i], v)
+            u = adamw_direction(m, v, self.k, b1, b2, cfg.eps)
+        return decoupled_step(p, u, self.lr, cfg.weight_decay)
+
+    def _fallback(self, i, p, g):
+        r"""(M14)  AdamW on the raw g with betas_1d, lr r*lr and weight_decay_1d."""
+        cfg, (b1, b2) = self.config, self.config.betas_1d
+        wd = cfg.weight_decay_1d if cfg.weight_decay_1d_source == "constructor" else cfg.weight_decay
+        m = self.exp_avg[i] = momentum(self.exp_avg[i], g, b1)
+        v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], g, b2)
+        u = adamw_direction(m, v, self.k, b1, b2, cfg.eps)
+        return decoupled_step(p, u, self.lr * self.lr_1d_factor, wd)
+
+
+def mars_trajectory(x0, grad, batches, config=None):
+    """Run MARS from x0 over ``batches`` with a gradient oracle ``grad(x, xi)``.
+
+    Exact mode evaluates grad(x_{t-1}, xi_t) itself -- the new batch at the old point --
+    which is what ``torch_impl.MARS`` obtains by re-running the closure at x_{t-1}.
+    Returns [x_0, x_1, ...].
+    """
+    opt = MARSReference(x0, config)
+    xs, x_prev = [[p.copy() for p in opt.params]], None
+    for xi in batches:
+        x = xs[-1]
+        g = grad(x, xi)
+        prev = grad(x_prev, xi) if (not opt.config.is_approx and x_prev is not None) else None
+        x_prev = x
+        xs.append(opt.step(g, prev))
+    return xs

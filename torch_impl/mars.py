@@ -1,0 +1,314 @@
+"""``MARS``: variance-reduced preconditioned optimizer (arXiv 2411.10438) as a torch.optim.Optimizer."""
+import torch
+from torch.optim import Optimizer
+
+from . import mars_functional as F
+
+MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
+CLIP_SCOPES = ("tensor", "global", "none")
+ORTHOGONALIZERS = ("newton_schulz", "svd")
+WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class MARS(Optimizer):
+    r"""MARS: scaled stochastic recursive momentum, then a preconditioner.
+
+    .. math::
+        \begin{aligned}
+        &\textbf{for } t = 1, 2, \dots: \\
+        &\quad g_t = \nabla f(x_t, \xi_t), \qquad
+              a = \gamma \beta_1 / (1 - \beta_1) \\
+        &\quad c_t = g_t + a\,(g_t - g_{\text{prev}})
+              && \text{(M1 exact: } g_{\text{prev}} = \nabla f(x_{t-1}, \xi_t);
+                 \text{ M2 approx: } g_{\text{prev}} = g_{t-1};\ g_{\text{prev}} = 0 \text{ at } t = 1) \\
+        &\quad \tilde c_t = c_t / \max(1, \|c_t\|)
+              && \text{(M3; norm per tensor, or global, or no clip)} \\
+        &\quad m_t = \beta_1 m_{t-1} + (1 - \beta_1)\,\tilde c_t && \text{(M4)} \\
+        &\quad \text{mars-adamw: } v_t = \beta_2 v_{t-1} + (1 - \beta_2)\,\tilde c_t^2,\
+              u_t = \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+              && \text{(M6, M7; } v \to \max(\bar v, v) \text{ with amsgrad, M9)} \\
+        &\quad \text{mars-lion: } u_t = \operatorname{sign}(m_t) && \text{(M10)} \\
+        &\quad \text{mars-shampoo (2-D): } u_t = \sqrt{\max(1, A/B)}\;
+              \mathrm{NS}_5\big(m_t / (1 - \beta_1)\big) && \text{(M12, M13; or } UV^\top \text{, M11)} \\
+        &\quad x_{t+1} = x_t - \eta\,(u_t + \lambda x_t) && \text{(M8)}
+        \end{aligned}
+
+    Tensors that are not 2-D (biases, norms, 4-D convolution kernels) take plain AdamW on the
+    raw gradient unless ``optimize_1d=True`` (M14): betas ``betas_1d``, learning rate
+    ``lr * lr_1d / lr0`` (``lr0`` the constructor's ``lr``, so the ratio follows any schedule on
+    ``group["lr"]``) and weight decay ``weight_decay_1d``.
+
+    Args (names and defaults of the official class):
+        params: iterable of parameters or parameter-group dicts.
+        lr (float): :math:`\eta`. Default ``3e-3``.
+        betas (tuple): :math:`(\beta_1, \beta_2)`. Default ``(0.95, 0.99)``.
+        eps (float): :math:`\epsilon`; also Newton-Schulz's eps. Default ``1e-8``.
+        weight_decay (float): :math:`\lambda`, decoupled. Default ``0``.
+        amsgrad (bool): use :math:`\bar v_t` (M9). Default ``False``.
+        gamma (float): :math:`\gamma \in [0, 1]` (0: plain EMA, i.e. AdamW/Lion; 1: STORM).
+            Default ``0.025``.
+        is_approx (bool): ``True`` for (M2); ``False`` for the exact correction (M1), which needs
+            ``step(closure)`` and costs a second forward+backward per step plus one
+            parameter-sized buffer (x_{t-1}). Default ``True``.
+        mars_type (str): ``"mars-adamw"``, ``"mars-lion"`` or ``"mars-shampoo"``.
+        optimize_1d (bool): send non-2-D tensors through MARS too. Default ``False``.
+        lr_1d (float), betas_1d (tuple), weight_decay_1d (float): the fallback's
+            hyperparameters. Defaults ``3e-3``, ``(0.9, 0.95)``, ``0.1``.
+
+    Keyword-only (the documented deviations; ``paper_notes/mars.md``):
+        clip_scope: ``"tensor"`` (official), ``"global"`` (paper: one norm over every MARS tensor
+            of every group with this scope) or ``"none"``.
+        orthogonalizer: ``"newton_schulz"`` (official) or ``"svd"`` (paper's UV^T).
+        ns_steps (int): Newton-Schulz steps. Default 5.
+        ns_dtype: dtype of the Newton-Schulz iteration. Default ``torch.bfloat16`` (official).
+        weight_decay_1d_source: ``"constructor"`` (official: ``weight_decay_1d``) or
+            ``"group"`` (the group's ``weight_decay``).
+        maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
+            picks them when every parameter is on CUDA.
+
+    State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
+    rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
+    amsgrad; ``last_grad`` for tensors on the MARS path (a copy of the raw g, never an alias
+    of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = MARS(model.parameters(), lr=1e-3)
+        >>> model(torch.ones(3, 4)).square().mean().backward()
+        >>> opt.step()
+    """
+
+    def __init__(self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, gamma=0.025, is_approx=True, mars_type="mars-adamw",
+                 optimize_1d=False, lr_1d=3e-3, betas_1d=(0.9, 0.95), weight_decay_1d=0.1, *,
+                 clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
+                 ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
+                 maximize=False, foreach=None):
+        _check_number("lr", lr, low=0.0)
+        _check_number("lr_1d", lr_1d, low=0.0)
+        if lr == 0.0 and lr_1d != 0.0:
+            raise ValueError("lr_1d: the 1-D learning rate is kept as the ratio lr_1d / lr, "
+                             "which is undefined for lr = 0; pass the peak lr and let a "
+                             "scheduler scale it")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        gamma=gamma, is_approx=is_approx, mars_type=mars_type,
+                        optimize_1d=optimize_1d, lr_1d_factor=lr_1d / lr if lr > 0 else 0.0,
+                        betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
+                        clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
+                        ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
+                        maximize=maximize, foreach=foreach)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if any(g["is_approx"] != group["is_approx"] for g in self.param_groups):
+            self.param_groups.pop()
+            raise ValueError("is_approx: every parameter group must use the same mode, since "
+                             "exact mode re-evaluates the whole model at x_{t-1}")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # back-fill options added after a checkpoint was made
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one step and returns the closure's loss (``None`` without a closure).
+
+        Approx mode: ``closure`` is optional.  Exact mode (``is_approx=False``): ``closure`` is
+        required; it must compute the loss on the current batch and call ``backward()``.  The
+        optimizer calls it at x_{t-1} (to get grad f(x_{t-1}, xi_t)) and then at x_t, restoring
+        the random-number state in between so that dropout-like randomness is the same sample.
+        """
+        exact = not self.param_groups[0]["is_approx"]
+        if exact:
+            if closure is None:
+                raise RuntimeError(
+                    "MARS exact mode (is_approx=False) needs the gradient at the previous "
+                    "iterate on the current batch: call opt.step(closure) with a closure that "
+                    "computes the loss on the current batch, calls loss.backward() and returns "
+                    "the loss; or construct MARS(..., is_approx=True)")
+            loss = self._evaluate_at_previous_iterate_then_current(closure)
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+
+        work = [self._init_group(group) for group in self.param_groups]
+        global_norms = []
+        for group, bucket in zip(self.param_groups, work):
+            params, grads, states, kinds = bucket
+            foreach = _use_foreach(group)
+            on_mars = [i for i, kind in enumerate(kinds) if kind != F.FALLBACK]
+            cs = [states[i]["last_grad"] for i in on_mars]
+            a = F.correction_coefficient(group["gamma"], group["betas"][0])
+            correct = F.multi_tensor_correct if foreach else F.single_tensor_correct
+            norms = correct([grads[i] for i in on_mars], cs, a)
+            bucket.append(cs)
+            bucket.append(norms)
+            if group["clip_scope"] == "global":
+                global_norms.extend(norms)
+        total = _global_norm(global_norms)
+
+        for group, (params, grads, states, kinds, cs, norms) in zip(self.param_groups, work):
+            foreach = _use_foreach(group)
+            if group["clip_scope"] != "none" and cs:
+                divisors = norms if group["clip_scope"] == "tensor" else [total] * len(cs)
+                divide = F.multi_tensor_divide if foreach else F.single_tensor_divide
+                divide(cs, divisors)
+            corrected = iter(cs)
+            c_all = [None if kind == F.FALLBACK else next(corrected) for kind in kinds]
+            update = F.multi_tensor_update if foreach else F.single_tensor_update
+            update([params, grads, c_all, states, kinds], _hyperparameters(group))
+            if not exact:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
+                for g, st, kind in zip(grads, states, kinds):
+                    if kind != F.FALLBACK:
+                        st["last_grad"].copy_(g)
+        return loss
+
+    def _init_group(self, group):
+        """Lists of the group's live tensors, with lazily created state (skips grad None)."""
+        params, grads, states, kinds = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("MARS does not support sparse gradients")
+            if torch.is_complex(p):
+                raise RuntimeError("MARS does not support complex parameters; optimise "
+                                   "torch.view_as_real(p) as a real parameter instead")
+            kind = F.route(p, group["mars_type"], group["optimize_1d"])
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0)
+            st.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
+            if kind in (F.ADAMW, F.FALLBACK):
+                st.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+            if kind == F.ADAMW and group["amsgrad"]:
+                st.setdefault("max_exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+            if kind != F.FALLBACK:
+                st.setdefault("last_grad", torch.zeros_like(p, memory_format=torch.preserve_format))
+            st["step"] += 1
+            params.append(p)
+            grads.append(-p.grad if group["maximize"] else p.grad)
+            states.append(st)
+            kinds.append(kind)
+        return [params, grads, states, kinds]
+
+    def _evaluate_at_previous_iterate_then_current(self, closure):
+        """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t.
+
+        x_{t-1} is kept in ``prev_param``; the swap copies x_t aside and reuses that copy as the
+        next ``prev_param``, so exact mode holds one extra parameter-sized buffer.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        returning = [p for p in params if "prev_param" in self.state[p]]
+        rng = _rng_state(params)
+        if returning:
+            current = [p.detach().clone() for p in returning]
+            for p in returning:
+                p.copy_(self.state[p]["prev_param"])
+            self.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                closure()
+            for p in returning:
+                st = self.state[p]
+                if "last_grad" in st:
+                    st["last_grad"].copy_(p.grad) if p.grad is not None else st["last_grad"].zero_()
+            for p, x_t in zip(returning, current):
+                p.copy_(x_t)
+                self.state[p]["prev_param"] = x_t
+            _set_rng_state(rng)  # the same sample xi_t (dropout masks included) at x_t
+        self.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss = closure()
+        for p in params:
+            if "prev_param" not in self.state[p] and p.grad is not None:
+                self.state[p]["prev_param"] = p.detach().clone()
+        return loss
+
+
+def _use_foreach(group):
+    """``foreach=None`` picks the multi-tensor kernels when every parameter is on CUDA."""
+    if group["foreach"] is None:
+        return all(p.is_cuda for p in group["params"])
+    return group["foreach"]
+
+
+def _hyperparameters(group):
+    wd_1d = group["weight_decay_1d"] if group["weight_decay_1d_source"] == "constructor" \
+        else group["weight_decay"]
+    return dict(group, wd_1d=wd_1d)
+
+
+def _global_norm(norms):
+    """sqrt(sum ||c_i||^2) over every tensor in a "global"-scope group (one device)."""
+    if not norms:
+        return None
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def _rng_state(params):
+    cuda = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
+
+
+def _set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for d, s in cuda.items():
+        torch.cuda.set_rng_state(s, d)
+
+
+def _check_number(name, value, low=None, high=None, high_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if value != value or (low is not None and value < low) or \
+            (high is not None and (value >= high if high_open else value > high)):
+        interval = f"[{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected a value in {interval}, got {value!r}")
+
+
+def _check_betas(name, betas):
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{name}: expected a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        _check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def _validate_group(g):
+    _check_number("lr", g["lr"], low=0.0)
+    _check_number("eps", g["eps"], low=0.0)
+    _check_number("weight_decay", g["weight_decay"], low=0.0)
+    _check_number("gamma", g["gamma"], low=0.0, high=1.0)
+    _check_number("lr_1d_factor", g["lr_1d_factor"], low=0.0)
+    _check_number("weight_decay_1d", g["weight_decay_1d"], low=0.0)
+    _check_betas("betas", g["betas"])
+    _check_betas("betas_1d", g["betas_1d"])
+    _check_choice("mars_type", g["mars_type"], MARS_TYPES)
+    _check_choice("clip_scope", g["clip_scope"], CLIP_SCOPES)
+    _check_choice("orthogonalizer", g["orthogonalizer"], ORTHOGONALIZERS)
+    _check_choice("weight_decay_1d_source", g["weight_decay_1d_source"], WEIGHT_DECAY_1D_SOURCES)
+    _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize"):
+        if not isinstance(g[flag], bool):
+            raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
+    if g["foreach"] not in (None, True, False):
+        raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
+    if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
+        raise ValueError(f"ns_steps: expected an int >= 1, got {g['ns_steps']!r}")

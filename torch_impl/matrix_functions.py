@@ -1,0 +1,45 @@
+"""Orthogonalizers for MARS-Shampoo, in PyTorch (M11, M13); mirrors reference/matrix_functions.py.
+
+Both accept a matrix or a batch of same-shape matrices (..., A, B), so that equal-shape
+parameters can share one batched call.
+"""
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_COEFFICIENTS):
+    r"""Quintic Newton-Schulz orthogonalization (M13).
+
+    .. math::
+        X_0 = \frac{M}{\|M\|_F + \epsilon},\qquad
+        Q = X X^\top,\ R = Q X,\ X \leftarrow aX + bR + cQR \quad(\text{``steps`` times}),
+
+    computed in ``dtype`` (``bfloat16`` as the official code; ``float32``/``float64`` for
+    accuracy), on the wide orientation (transposed when A > B), returned in M's dtype.
+    The normalisation happens in M's dtype and is rounded to ``dtype`` once (the official code
+    rounds M first, then divides: the two differ by one rounding of ``dtype``).
+    """
+    a, b, c = coefficients
+    norm = torch.linalg.matrix_norm(M, keepdim=True)
+    X = (M / (norm + eps)).to(dtype)
+    tall = M.size(-2) > M.size(-1)
+    if tall:
+        X = X.mT
+    for _ in range(steps):
+        Q = X @ X.mT
+        R = Q @ X
+        X = a * X + b * R + c * (Q @ R)
+    if tall:
+        X = X.mT
+    return X.to(M.dtype)
+
+
+def orthogonalize_svd(M):
+    r"""Polar factor :math:`U\,\mathrm{diag}(1[s_i > \tau])\,V^\top` of :math:`M = U\,\mathrm{diag}(s)\,V^\top`
+    (M11), with the matrix-rank tolerance :math:`\tau = \max(s)\max(A,B)\,\epsilon_{dtype}`;
+    zero maps to zero.  No host synchronisation: the rank test is a mask, not a branch.
+    """
+    U, s, Vh = torch.linalg.svd(M, full_matrices=False)
+    tol = s.amax(dim=-1, keepdim=True) * max(M.shape[-2:]) * torch.finfo(M.dtype).eps
+    return (U * (s > tol).unsqueeze(-2).to(U.dtype)) @ Vh
