@@ -1,0 +1,1 @@
+"""Figures and demos.  ``python -m figures`` is the project's main job."""
