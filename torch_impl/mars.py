@@ -1,4 +1,6 @@
 """``MARS``: variance-reduced preconditioned optimizer (arXiv 2411.10438) as a torch.optim.Optimizer."""
+from types import SimpleNamespace
+
 import torch
 from torch.optim import Optimizer
 
@@ -64,6 +66,9 @@ class MARS(Optimizer):
         ns_dtype: dtype of the Newton-Schulz iteration. Default ``torch.bfloat16`` (official).
         weight_decay_1d_source: ``"constructor"`` (official: ``weight_decay_1d``) or
             ``"group"`` (the group's ``weight_decay``).
+        state_dtype: dtype of the optimizer state (e.g. ``torch.float32`` for bf16/fp16
+            parameters); the update is then computed in that dtype and rounded into the
+            parameter once.  Default ``None``: the parameter's own dtype.
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
 
@@ -84,7 +89,7 @@ class MARS(Optimizer):
                  optimize_1d=False, lr_1d=3e-3, betas_1d=(0.9, 0.95), weight_decay_1d=0.1, *,
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
-                 maximize=False, foreach=None):
+                 state_dtype=None, maximize=False, foreach=None):
         _check_number("lr", lr, low=0.0)
         _check_number("lr_1d", lr_1d, low=0.0)
         if lr == 0.0 and lr_1d != 0.0:
@@ -97,7 +102,7 @@ class MARS(Optimizer):
                         betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
-                        maximize=maximize, foreach=foreach)
+                        state_dtype=state_dtype, maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -118,6 +123,20 @@ class MARS(Optimizer):
         for group in self.param_groups:  # back-fill options added after a checkpoint was made
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+
+    def load_state_dict(self, state_dict):
+        """``Optimizer.load_state_dict``, keeping a ``state_dtype`` that differs from the
+        parameter's dtype (torch casts every floating state tensor to the parameter's dtype,
+        which would round float32 state of a bf16 parameter)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [(p, g["state_dtype"]) for g in self.param_groups for p in g["params"]]
+        for i, (p, dtype) in zip(saved_ids, params):
+            if dtype is None or i not in state_dict["state"]:
+                continue
+            for key, value in state_dict["state"][i].items():
+                if key not in ("step", "prev_param") and torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device, dtype=dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -143,66 +162,74 @@ class MARS(Optimizer):
                 with torch.enable_grad():
                     loss = closure()
 
+        self._check_gradients()
         work = [self._init_group(group) for group in self.param_groups]
-        global_norms = []
-        for group, bucket in zip(self.param_groups, work):
-            params, grads, states, kinds = bucket
-            foreach = _use_foreach(group)
-            on_mars = [i for i, kind in enumerate(kinds) if kind != F.FALLBACK]
-            cs = [states[i]["last_grad"] for i in on_mars]
+        for group, w in zip(self.param_groups, work):  # phase 1: c_t into last_grad (M1/M2)
             a = F.correction_coefficient(group["gamma"], group["betas"][0])
-            correct = F.multi_tensor_correct if foreach else F.single_tensor_correct
-            norms = correct([grads[i] for i in on_mars], cs, a)
-            bucket.append(cs)
-            bucket.append(norms)
-            if group["clip_scope"] == "global":
-                global_norms.extend(norms)
-        total = _global_norm(global_norms)
+            correct = F.multi_tensor_correct if w.foreach else F.single_tensor_correct
+            w.cs = [st["last_grad"] for st, kind in zip(w.states, w.kinds) if kind != F.FALLBACK]
+            w.norms = correct([g for g, kind in zip(w.grads, w.kinds) if kind != F.FALLBACK],
+                              w.cs, a)
+        total = _global_norm([n for group, w in zip(self.param_groups, work)
+                              if group["clip_scope"] == "global" for n in w.norms])
 
-        for group, (params, grads, states, kinds, cs, norms) in zip(self.param_groups, work):
-            foreach = _use_foreach(group)
-            if group["clip_scope"] != "none" and cs:
-                divisors = norms if group["clip_scope"] == "tensor" else [total] * len(cs)
-                divide = F.multi_tensor_divide if foreach else F.single_tensor_divide
-                divide(cs, divisors)
-            corrected = iter(cs)
-            c_all = [None if kind == F.FALLBACK else next(corrected) for kind in kinds]
-            update = F.multi_tensor_update if foreach else F.single_tensor_update
-            update([params, grads, c_all, states, kinds], _hyperparameters(group))
+        for group, w in zip(self.param_groups, work):
+            if group["clip_scope"] != "none" and w.cs:  # phase 2: the clip (M3)
+                divisors = w.norms if group["clip_scope"] == "tensor" else [total] * len(w.cs)
+                (F.multi_tensor_divide if w.foreach else F.single_tensor_divide)(w.cs, divisors)
+            corrected = iter(w.cs)
+            c_all = [None if kind == F.FALLBACK else next(corrected) for kind in w.kinds]
+            update = F.multi_tensor_update if w.foreach else F.single_tensor_update
+            update([w.params, w.grads, c_all, w.states, w.kinds], _hyperparameters(group))
+            for p, work_p in zip(w.originals, w.params):  # phase 3 done in a wider state_dtype?
+                if work_p is not p:
+                    p.copy_(work_p)
             if not exact:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
-                for g, st, kind in zip(grads, states, kinds):
+                for g, st, kind in zip(w.grads, w.states, w.kinds):
                     if kind != F.FALLBACK:
                         st["last_grad"].copy_(g)
         return loss
 
+    def _check_gradients(self):
+        """Reject unsupported inputs before any state changes, so a bad step loses nothing."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("MARS does not support sparse gradients")
+                if p.grad is not None and torch.is_complex(p):
+                    raise RuntimeError("MARS does not support complex parameters; optimize "
+                                       "torch.view_as_real(p) as a real parameter instead")
+
     def _init_group(self, group):
-        """Lists of the group's live tensors, with lazily created state (skips grad None)."""
-        params, grads, states, kinds = [], [], [], []
+        """The group's live tensors (grad not None) as parallel lists, creating state lazily.
+
+        With ``state_dtype`` wider than a parameter's dtype, ``params`` holds working copies in
+        that dtype (written back after the update) and ``grads`` the upcast gradients.
+        """
+        w = SimpleNamespace(params=[], originals=[], grads=[], states=[], kinds=[],
+                            foreach=_use_foreach(group))
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MARS does not support sparse gradients")
-            if torch.is_complex(p):
-                raise RuntimeError("MARS does not support complex parameters; optimise "
-                                   "torch.view_as_real(p) as a real parameter instead")
             kind = F.route(p, group["mars_type"], group["optimize_1d"])
-            st = self.state[p]
+            st, dtype = self.state[p], group["state_dtype"] or p.dtype
+            buffers = ["exp_avg"]
+            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []
+            buffers += ["max_exp_avg_sq"] if kind == F.ADAMW and group["amsgrad"] else []
+            buffers += ["last_grad"] if kind != F.FALLBACK else []
+            for name in buffers:  # lazily: a buffer that a later option needs appears then
+                if name not in st:
+                    st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
-            st.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
-            if kind in (F.ADAMW, F.FALLBACK):
-                st.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
-            if kind == F.ADAMW and group["amsgrad"]:
-                st.setdefault("max_exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
-            if kind != F.FALLBACK:
-                st.setdefault("last_grad", torch.zeros_like(p, memory_format=torch.preserve_format))
             st["step"] += 1
-            params.append(p)
-            grads.append(-p.grad if group["maximize"] else p.grad)
-            states.append(st)
-            kinds.append(kind)
-        return [params, grads, states, kinds]
+            g = p.grad if dtype == p.dtype else p.grad.to(dtype)
+            w.params.append(p if dtype == p.dtype else p.detach().to(dtype))
+            w.originals.append(p)
+            w.grads.append(-g if group["maximize"] else g)
+            w.states.append(st)
+            w.kinds.append(kind)
+        return w
 
     def _evaluate_at_previous_iterate_then_current(self, closure):
         """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t.
@@ -305,6 +332,8 @@ def _validate_group(g):
     _check_choice("orthogonalizer", g["orthogonalizer"], ORTHOGONALIZERS)
     _check_choice("weight_decay_1d_source", g["weight_decay_1d_source"], WEIGHT_DECAY_1D_SOURCES)
     _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    if g["state_dtype"] is not None:
+        _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
     for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize"):
         if not isinstance(g[flag], bool):
             raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
