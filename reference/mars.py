@@ -89,7 +89,7 @@ def lion_direction(m):
 def shape_scale(shape):
     r"""s = sqrt(max(1, A / B)) for an A x B matrix (official MARS-Shampoo and Muon scale)."""
     rows, cols = shape
-    return max(1.0, rows / cols) ** 0.5
+    return max(1.0, rows / cols) ** 0.5 if cols else 1.0
 
 
 def shampoo_direction(m, beta1, eps, orthogonalizer="newton_schulz", ns_steps=5):

@@ -238,7 +238,8 @@ class MARS(Optimizer):
         next ``prev_param``, so exact mode holds one extra parameter-sized buffer.
         """
         params = [p for group in self.param_groups for p in group["params"]]
-        returning = [p for p in params if "prev_param" in self.state[p]]
+        returning = [p for p in params if p in self.state and "prev_param" in self.state[p]]
+        returning_set = set(returning)
         rng = _rng_state(params)
         if returning:
             current = [p.detach().clone() for p in returning]
@@ -247,10 +248,15 @@ class MARS(Optimizer):
             self.zero_grad(set_to_none=True)
             with torch.enable_grad():
                 closure()
-            for p in returning:
-                st = self.state[p]
-                if "last_grad" in st:
-                    st["last_grad"].copy_(p.grad) if p.grad is not None else st["last_grad"].zero_()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    buf = self.state[p].get("last_grad") if p in returning_set else None
+                    if buf is None:
+                        continue
+                    if p.grad is None:  # p did not enter the loss at x_{t-1}
+                        buf.zero_()
+                    else:
+                        buf.copy_(-p.grad if group["maximize"] else p.grad)
             for p, x_t in zip(returning, current):
                 p.copy_(x_t)
                 self.state[p]["prev_param"] = x_t

@@ -36,8 +36,8 @@ def correction_coefficient(gamma, beta1):
 
 
 def shape_scale(shape):
-    """s = sqrt(max(1, A / B))."""
-    return max(1.0, shape[0] / shape[1]) ** 0.5
+    """s = sqrt(max(1, A / B)); 1 for an empty matrix, whose update is empty anyway."""
+    return max(1.0, shape[0] / shape[1]) ** 0.5 if shape[1] else 1.0
 
 
 # ------------------------------------------------------------------ single-tensor equations
@@ -84,6 +84,8 @@ def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
 
 def shampoo_step_(p, m, lr, beta1, eps, weight_decay, orthogonalizer, ns_steps, ns_dtype):
     r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1))."""
+    if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
+        return
     direction = shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype)
     p.mul_(1.0 - lr * weight_decay).add_(direction, alpha=-lr * shape_scale(p.shape))
 

@@ -40,6 +40,8 @@ def orthogonalize_svd(M):
     (M11), with the matrix-rank tolerance :math:`\tau = \max(s)\max(A,B)\,\epsilon_{dtype}`;
     zero maps to zero.  No host synchronisation: the rank test is a mask, not a branch.
     """
+    if M.numel() == 0:  # an empty matrix is its own polar factor (and has no max singular value)
+        return M.clone()
     U, s, Vh = torch.linalg.svd(M, full_matrices=False)
     tol = s.amax(dim=-1, keepdim=True) * max(M.shape[-2:]) * torch.finfo(M.dtype).eps
     return (U * (s > tol).unsqueeze(-2).to(U.dtype)) @ Vh
