@@ -1,0 +1,69 @@
+"""Small helpers shared by the MARS property and contract tests: seeded parameters, gradients
+fed by hand, snapshots, and a whole-optimizer comparison."""
+import numpy as np
+import torch
+
+F64 = torch.float64
+MARS_TYPES = ["mars-adamw", "mars-lion", "mars-shampoo"]
+
+
+def make_params(shapes, seed=0, dtype=F64, bound=None):
+    """Gaussian parameters, or uniform in [-bound, bound]."""
+    gen = torch.Generator().manual_seed(seed)
+    if bound is not None:
+        return [torch.nn.Parameter((torch.rand(s, generator=gen, dtype=dtype) * 2 - 1) * bound)
+                for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in shapes]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def snapshot(params):
+    return [p.detach().clone() for p in params]
+
+
+def random_grads(rng, shapes, norms=None, scale=1.0, dtype=F64):
+    """Gaussian gradients; with ``norms``, tensor i rescaled to Frobenius norm norms[i]."""
+    grads = [torch.tensor(rng.normal(size=s) * scale, dtype=dtype) for s in shapes]
+    if norms is not None:
+        grads = [g * (n / torch.linalg.vector_norm(g)) for g, n in zip(grads, norms)]
+    return grads
+
+
+def feed(opt, params, grads):
+    """One step with the given gradients (``None`` entries leave ``p.grad`` unset)."""
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.detach().clone().to(p.dtype)
+    return opt.step()
+
+
+def steps(opt, params, grad_seq):
+    """Feed each gradient list in turn; return the iterates after each step."""
+    out = []
+    for grads in grad_seq:
+        feed(opt, params, grads)
+        out.append(snapshot(params))
+    return out
+
+
+def assert_same_optimizer(params_a, opt_a, params_b, opt_b):
+    """Bit-identical parameters and per-parameter state (every key, every tensor)."""
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+        sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            x, y = sa[key], sb[key]
+            assert torch.equal(x, y) if torch.is_tensor(x) else x == y, key
+
+
+def closure_for(opt, params, loss_fn, *args, set_to_none=True):
+    """A standard closure: zero the grads, compute ``loss_fn(params, *args)``, backward."""
+    def closure():
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = loss_fn(params, *args)
+        loss.backward()
+        return loss
+    return closure
