@@ -1,0 +1,28 @@
+"""MKOR, MKOR-H and the K-FAC baseline in PyTorch (spec MKOR.md).
+
+* :class:`MKOR` -- the preconditioner (hooks + O(d^2) rank-1 inverse updates), wrapping
+  any ``torch.optim`` optimizer; MKOR-H via ``hybrid_switch`` / ``switch_step``.
+* :class:`KFAC` -- the O(d^3) K-FAC / KAISA baseline with the same interface.
+* :class:`LAMB` -- a ``torch.optim.Optimizer`` LAMB backbone (torch has none).
+* :mod:`.factors`, :mod:`.vectors` -- the pure tensor functions (mirroring the NumPy
+  oracle ``reference/``), e.g. :func:`factor_update` for timing the factor update alone.
+"""
+from .capture import discover
+from .config import MKOROptions
+from .factors import (
+    ema_inverse_update, factor_update, max_entry_norm, needs_stabilising, precondition,
+    rank1_inverse_update, released_inverse_update, rescale, reset_factor, sherman_morrison,
+    stabilise, symmetrise)
+from .hybrid import LossRateSwitch
+from .kfac import KFAC
+from .lamb import LAMB
+from .preconditioner import MKOR
+from .vectors import conv2d_rank1_vectors, linear_rank1_vectors, unfold2d
+
+__all__ = [
+    "MKOR", "KFAC", "LAMB", "LossRateSwitch", "MKOROptions", "discover",
+    "sherman_morrison", "ema_inverse_update", "released_inverse_update",
+    "rank1_inverse_update", "max_entry_norm", "needs_stabilising", "stabilise",
+    "reset_factor", "symmetrise", "factor_update", "precondition", "rescale",
+    "linear_rank1_vectors", "conv2d_rank1_vectors", "unfold2d",
+]

@@ -1,0 +1,233 @@
+r"""MKOR's factor algebra as pure tensor functions (spec MKOR.md K7-K14).
+
+Every function here is O(d^2) in the factor size (mat-vecs and one outer product),
+has no host synchronisation (conditions are ``torch.where`` on 0-d tensors), and never
+calls a matrix inverse, solve or eigendecomposition. They mirror the NumPy oracle
+(``reference/mkor_factors.py`` and ``reference/mkor.py``) function for function and
+can be timed alone (e.g. ``factor_update`` or ``ema_inverse_update`` for a
+complexity benchmark).
+
+Notation: J is a stored *inverse* factor (L^{-1} or R^{-1}), v its rank-1 vector,
+gamma the factor EMA decay, zeta the stabiliser's weight on J.
+"""
+import torch
+
+__all__ = [
+    "sherman_morrison", "ema_inverse_update", "released_inverse_update",
+    "rank1_inverse_update", "max_entry_norm", "needs_stabilising", "stabilise",
+    "reset_factor", "symmetrise", "factor_update", "precondition",
+    "rescale", "RELEASED_BLEND", "RELEASED_THRESHOLD", "VARIANT_COLUMNS",
+]
+
+# Hard-coded in the released code (K10, K12): J' = 0.95 J + (1 - 0.95) I, threshold 2.
+RELEASED_BLEND = 0.95
+RELEASED_THRESHOLD = 2.0
+
+# Section 4's two columns, per factor.
+VARIANT_COLUMNS = {
+    "paper": {"stabilizer_timing": "before_sm", "stabilizer_reset": "blend",
+              "first_update": "sm"},
+    "released": {"stabilizer_timing": "deferred", "stabilizer_reset": "identity",
+                 "first_update": "identity"},
+}
+
+
+def _eye_like(J):
+    return torch.eye(J.shape[-1], dtype=J.dtype, device=J.device)
+
+
+def sherman_morrison(J, v):
+    r"""Sherman-Morrison rank-1 update of an inverse (K7).
+
+    .. math:: \mathrm{SM}(J, v) = J - \frac{(Jv)(v^T J)}{1 + v^T J v} = (J^{-1} + v v^T)^{-1}.
+
+    For SPD J the denominator is >= 1 (KT2), so it never divides by a small number.
+    """
+    Jv = J @ v
+    vJ = v @ J
+    return J - torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))
+
+
+def ema_inverse_update(J, v, gamma):
+    r"""Exact inverse of the factor EMA, variant ``"paper"`` (K8), symmetrised.
+
+    With J = L_{t-1}^{-1} and L_t = \gamma L_{t-1} + (1-\gamma) v v^T:
+
+    .. math::
+        J_t = \frac{1}{\gamma}\Big(J - \frac{(1-\gamma)\,(Jv)(v^T J)}
+                                       {\gamma + (1-\gamma)\, v^T J v}\Big)
+            = \big(\gamma J^{-1} + (1-\gamma) v v^T\big)^{-1}.
+    """
+    Jv = J @ v
+    vJ = v @ J
+    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)
+    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma)
+
+
+def released_inverse_update(J, v):
+    r"""The released code's update, variant ``"released"`` (K10), symmetrised.
+
+    .. math:: J' = 0.95\,J + 0.05\,I, \qquad J_t = \mathrm{SM}(J', v) = (J'^{-1} + v v^T)^{-1}.
+
+    The blend acts on the *inverse* and the rank-1 weight is 1 (``stat_decay`` unused).
+    """
+    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * _eye_like(J)
+    return symmetrise(sherman_morrison(blended, v))
+
+
+def rank1_inverse_update(J, v, *, variant="paper", gamma=0.95):
+    """The SM step of a variant: K8 (``"paper"``) or K10 (``"released"``)."""
+    if variant == "paper":
+        return ema_inverse_update(J, v, gamma)
+    if variant == "released":
+        return released_inverse_update(J, v)
+    raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
+
+
+def max_entry_norm(J):
+    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, O(d^2)."""
+    return J.abs().amax()
+
+
+def needs_stabilising(J, threshold=RELEASED_THRESHOLD, norm="max_entry"):
+    """norm(J) > threshold as a 0-d bool tensor; NaN counts as True (unlike the code).
+    Only the O(d^2) ``"max_entry"`` norm is offered (the oracle's spectral one is O(d^3))."""
+    if norm != "max_entry":
+        raise ValueError(f"norm must be 'max_entry' (the only O(d^2) norm), got {norm!r}")
+    return ~(max_entry_norm(J) <= threshold)
+
+
+def stabilise(J, zeta):
+    r"""Stabiliser blend (K11): \zeta J + (1 - \zeta) I, a convex combination of SPD matrices."""
+    return zeta * J + (1 - zeta) * _eye_like(J)
+
+
+def reset_factor(J, *, reset="blend", zeta=0.9):
+    """The stabiliser's action (K11/K12): blend towards I, or replace by I."""
+    if reset == "blend":
+        return stabilise(J, zeta)
+    if reset == "identity":
+        return _eye_like(J)
+    raise ValueError(f"stabilizer_reset must be 'blend' or 'identity', got {reset!r}")
+
+
+def symmetrise(J):
+    r"""(J + J^T)/2: removes the round-off asymmetry SM updates accumulate (spec 2.5)."""
+    return (J + J.transpose(-1, -2)) / 2
+
+
+def _as_flag(flag, like):
+    # torch.full is a device-side fill: a Python bool never costs a host-to-device copy.
+    if isinstance(flag, torch.Tensor):
+        return flag
+    return torch.full((), bool(flag), dtype=torch.bool, device=like.device)
+
+
+def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
+                  norm="max_entry", stabilizer_timing=None, stabilizer_reset=None,
+                  first_update=None, first=False, reset_flag=False):
+    r"""One factor's whole update (ALG lines 5-8; K8, K10, K11, K12). No host sync.
+
+    ``stabilizer_timing="before_sm"`` (paper):
+
+    .. math::
+        f = r \lor \|J\| > \varepsilon, \qquad
+        \hat J = f\ ?\ \mathrm{reset}(J) : J, \qquad J_t = \mathrm{step}(\hat J, v)
+
+    ``"deferred"`` (released code): J_t = r ? reset(J) : step(J, v) (v dropped on a
+    reset), and f = \|J_t\| > \varepsilon flags the factor for the *next* update.
+    Here r is ``reset_flag``, reset() is the blend \zeta J + (1-\zeta)I or I, step() is
+    :func:`rank1_inverse_update`, and NaN norms count as exceeding. With
+    ``first_update="identity"`` and ``first``, J_t = I and f = False (v dropped).
+
+    ``first`` and ``reset_flag`` may be Python bools or 0-d bool tensors. Options left
+    None take the ``variant``'s column (spec section 4). Returns ``(J_t, f)`` with f a
+    0-d bool tensor. Mirrors ``reference.mkor_factors.factor_update``.
+    """
+    column = VARIANT_COLUMNS.get(variant)
+    if column is None:
+        raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
+    timing = stabilizer_timing or column["stabilizer_timing"]
+    reset = stabilizer_reset or column["stabilizer_reset"]
+    first_mode = first_update or column["first_update"]
+    flag = _as_flag(reset_flag, J)
+    if timing == "before_sm":
+        fired = flag | needs_stabilising(J, threshold, norm)
+        J_new = rank1_inverse_update(torch.where(fired, reset_factor(J, reset=reset, zeta=zeta), J),
+                                     v, variant=variant, gamma=gamma)
+    elif timing == "deferred":
+        J_new = torch.where(flag, reset_factor(J, reset=reset, zeta=zeta),
+                            rank1_inverse_update(J, v, variant=variant, gamma=gamma))
+        fired = needs_stabilising(J_new, threshold, norm)
+    else:
+        raise ValueError(f"stabilizer_timing must be 'before_sm' or 'deferred', got {timing!r}")
+    if first_mode == "identity":
+        is_first = _as_flag(first, J)
+        J_new = torch.where(is_first, _eye_like(J), J_new)
+        fired = fired & ~is_first
+    elif first_mode != "sm":
+        raise ValueError(f"first_update must be 'sm' or 'identity', got {first_mode!r}")
+    return J_new, fired
+
+
+def precondition(L_inv, R_inv, grad_W, grad_b=None):
+    r"""Kronecker preconditioning (K13, ALG line 9).
+
+    .. math:: \hat G = [\nabla W \,|\, \nabla b] \in \mathbb{R}^{d_{out}\times d_{in}'},
+              \qquad \Delta = L^{-1} \hat G R^{-1},
+
+    with conv weights in the (C_out, C_in*kh*kw) layout of ``unfold2d``. Returns
+    (Delta_W shaped like grad_W, Delta_b or None).
+    """
+    d_out = grad_W.shape[0]
+    G = grad_W.reshape(d_out, -1)
+    if grad_b is not None:
+        G = torch.cat([G, grad_b.reshape(d_out, 1)], dim=1)
+    delta = L_inv @ G @ R_inv
+    if grad_b is None:
+        return delta.reshape(grad_W.shape), None
+    # Contiguous, so that norms of Delta reduce in the same order as norms of the grad
+    # (identity factors then rescale by exactly 1).
+    return (delta[:, :-1].reshape(grad_W.shape).contiguous(),
+            delta[:, -1].reshape(grad_b.shape).contiguous())
+
+
+def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint"):
+    r"""Norm-preserving rescale of the preconditioned step (K14, ALG line 10).
+
+    .. math::
+        s = \frac{\|[\nabla W | \nabla b]\|_F}{\|[\Delta W | \Delta b]\|_F} \ (\text{joint}),
+        \qquad
+        s = \frac{\|\nabla W\|_F + \|\nabla b\|_2}{\|\Delta W\|_F + \|\Delta b\|_2}
+            \ (\text{sum\_of\_norms}),
+
+    output (s Delta_W, s Delta_b). Zero guard (KT6), as the oracle: when the gradient
+    norm is 0, the update norm is 0 or not finite, or s Delta is not finite, the raw
+    gradient is returned, so nothing here produces NaN or inf. All tests are
+    ``torch.where`` on 0-d tensors (no host sync).
+    """
+    has_b = grad_b is not None
+    if mode == "joint":
+        grad_norm = torch.linalg.vector_norm(grad_W).square()
+        delta_norm = torch.linalg.vector_norm(delta_W).square()
+        if has_b:
+            grad_norm = grad_norm + torch.linalg.vector_norm(grad_b).square()
+            delta_norm = delta_norm + torch.linalg.vector_norm(delta_b).square()
+        grad_norm, delta_norm = grad_norm.sqrt(), delta_norm.sqrt()
+    elif mode == "sum_of_norms":
+        grad_norm = torch.linalg.vector_norm(grad_W)
+        delta_norm = torch.linalg.vector_norm(delta_W)
+        if has_b:
+            grad_norm = grad_norm + torch.linalg.vector_norm(grad_b)
+            delta_norm = delta_norm + torch.linalg.vector_norm(delta_b)
+    else:
+        raise ValueError(f"rescale mode must be 'joint' or 'sum_of_norms', got {mode!r}")
+    usable = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)
+    # A safe denominator keeps the branch where() discards free of 0/0.
+    s = grad_norm / torch.where(usable, delta_norm, torch.ones_like(delta_norm))
+    out_W = s * delta_W
+    out_b = s * delta_b if has_b else None
+    ok = usable & torch.isfinite(out_W).all()
+    if has_b:
+        ok = ok & torch.isfinite(out_b).all()
+    return torch.where(ok, out_W, grad_W), (torch.where(ok, out_b, grad_b) if has_b else None)

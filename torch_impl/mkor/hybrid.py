@@ -1,0 +1,112 @@
+r"""MKOR-H: a one-way switch from MKOR to its first-order backbone (spec MKOR.md K18).
+
+The paper's hybrid "falls back to a first-order optimizer if the second-order updates
+no longer accelerate convergence"; no released code automates it, so this project's
+rule (K18), mirrored from ``reference/mkor_hybrid.py``, is: with t = 0, 1, ... the
+index of the observed losses (MKOR's step counter) and window W,
+
+.. math::
+    \bar\ell_t = \frac1W \sum_{s=t-W+1}^{t} \ell_s, \qquad
+    r_t = \frac{\bar\ell_{t-W} - \bar\ell_t}{W\,|\bar\ell_{t-W}|},
+
+checked whenever n = t + 1 >= 2W and n % check_every == 0. A check is *slow* when
+r_t < threshold (a non-finite r_t, or \bar\ell_{t-W} = 0, counts as slow); the switch
+fires at the check that completes ``patience`` consecutive slow checks, or at
+t = ``switch_step``, whichever comes first, and never un-fires.
+
+The rule is plain Python on floats: reading a loss tensor into a float is the
+caller's host synchronisation, never the preconditioner's.
+"""
+import math
+
+__all__ = ["LossRateSwitch"]
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class LossRateSwitch:
+    """The K18 switching rule (mirrors ``reference.mkor_hybrid.LossRateSwitch``).
+
+    Args:
+        window: W >= 1, the number of losses in each mean.
+        check_every: check period in steps, >= 1.
+        threshold: tau; None disables the rate rule (then only ``switch_step`` acts).
+        patience: consecutive slow checks needed, >= 1.
+        switch_step: optional k >= 0: switch exactly at t = k.
+
+    :meth:`observe` returns whether the switch has happened (True from the firing
+    step on); ``switched_at`` is the t at which it fired.
+    """
+
+    def __init__(self, window=50, check_every=10, threshold=1e-3, patience=3,
+                 switch_step=None):
+        _check_int("window", window, 1)
+        _check_int("check_every", check_every, 1)
+        _check_int("patience", patience, 1)
+        if threshold is not None and not (isinstance(threshold, (int, float))
+                                          and math.isfinite(threshold)):
+            raise ValueError(f"threshold must be None or a finite number, got {threshold!r}")
+        if switch_step is not None:
+            _check_int("switch_step", switch_step, 0)
+        self.window, self.check_every, self.patience = window, check_every, patience
+        self.threshold, self.switch_step = threshold, switch_step
+        self.t = 0              # index of the next observed loss
+        self.slow_checks = 0    # current run of consecutive slow checks
+        self.switched_at = None
+        self.rates = []         # (t, r_t) of every check
+        self._recent = []       # the last 2W losses
+
+    @property
+    def switched(self):
+        return self.switched_at is not None
+
+    def rate(self):
+        """r_t from the last 2W losses; -inf when not measurable (counts as slow)."""
+        w = self.window
+        older = math.fsum(self._recent[:w]) / w
+        newer = math.fsum(self._recent[w:]) / w
+        if older == 0 or not (math.isfinite(older) and math.isfinite(newer)):
+            return -math.inf
+        return (older - newer) / (w * abs(older))
+
+    def step_due(self, t):
+        """Whether the deterministic ``switch_step`` rule fires at step t."""
+        return self.switch_step is not None and t >= self.switch_step
+
+    def observe(self, loss):
+        """Record step t's loss (a Python number); return True iff switched (one-way)."""
+        t = self.t
+        self.t += 1
+        if self.switched:
+            return True
+        self._recent.append(float(loss))
+        del self._recent[:-2 * self.window]
+        if self.step_due(t):
+            self.switched_at = t
+            return True
+        n = t + 1
+        if self.threshold is not None and n >= 2 * self.window and n % self.check_every == 0:
+            r_t = self.rate()
+            self.rates.append((t, r_t))
+            self.slow_checks = self.slow_checks + 1 if not r_t >= self.threshold else 0
+            if self.slow_checks >= self.patience:
+                self.switched_at = t
+        return self.switched
+
+    def force(self, t):
+        """Mark the switch as fired at step t (used for ``switch_step`` without losses)."""
+        if not self.switched:
+            self.switched_at = t
+
+    def state_dict(self):
+        return {"t": self.t, "slow_checks": self.slow_checks, "switched_at": self.switched_at,
+                "rates": list(self.rates), "recent": list(self._recent)}
+
+    def load_state_dict(self, state):
+        self.t, self.slow_checks = state["t"], state["slow_checks"]
+        self.switched_at = state["switched_at"]
+        self.rates = [tuple(r) for r in state["rates"]]
+        self._recent = list(state["recent"])

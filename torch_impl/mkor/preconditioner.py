@@ -1,0 +1,405 @@
+r"""MKOR: a Kronecker-factored preconditioner with rank-1 inverse updates.
+
+Mozaffari, Li, Zhang, Mehri Dehnavi, "MKOR: Momentum-Enabled Kronecker-Factor-Based
+Optimizer Using Rank-1 Updates", NeurIPS 2023 (spec MKOR.md). The preconditioner is
+an object separate from the optimizer (kfac-pytorch pattern): it hooks the model,
+rewrites ``.grad`` in place, then steps the user's ``torch.optim`` optimizer.
+
+Per preconditioned layer (W in R^{d_out x d_in}, bias b) it stores J_L = L^{-1} and
+J_R = R^{-1}, both starting at I. Each step t:
+
+.. math::
+    &\text{if } t \bmod f = 0 \text{ or } t < t_w:\quad
+        J_R \leftarrow U(J_R, \bar a),\ \ J_L \leftarrow U(J_L, \bar g)
+        \quad\text{(K2, K8/K10 with K11/K12)}\\
+    &\Delta = J_L\,[\nabla W \,|\, \nabla b]\,J_R \quad\text{(K13)},\qquad
+     \nabla \leftarrow s\,\Delta,\ \ s = \|\hat G\| / \|\Delta\| \quad\text{(K14)}\\
+    &\text{backbone.step()} \quad\text{(K15)}
+
+with U the variant's O(d^2) Sherman-Morrison update (:mod:`.factors`), \bar a, \bar g
+the rank-1 vectors of :mod:`.vectors`, f = ``inv_freq``, t_w = ``warmup_steps``.
+"""
+import torch
+
+from .capture import Capture, conv_input, discover, unwrap_model
+from .config import MKOROptions
+from .distributed import average_vectors, world_size
+from .factors import factor_update, needs_stabilising, precondition, rescale
+from .hybrid import LossRateSwitch
+from .vectors import conv2d_grad_sum, conv2d_input_sum, linear_grad_sum, linear_input_sum
+
+__all__ = ["MKOR"]
+
+
+def _input_stat(layer, x):
+    if layer.kind == "conv2d":
+        x, padding = conv_input(layer.module, x)  # explicit padding, as the conv does
+        m = layer.module
+        return conv2d_input_sum(x, m.kernel_size, m.stride, padding, m.dilation, layer.has_bias)
+    return linear_input_sum(x, layer.has_bias)
+
+
+def _grad_stat(layer, g):
+    return conv2d_grad_sum(g) if layer.kind == "conv2d" else linear_grad_sum(g)
+
+
+def _stat_dtype(x):
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class MKOR:
+    r"""MKOR / MKOR-H preconditioner wrapping a ``torch.optim`` optimizer.
+
+    Usage::
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        mkor = MKOR(model, opt)
+        loss_fn(model(x), y).backward(); mkor.step(); opt.zero_grad()
+
+    Args:
+        model: any ``nn.Module`` (DDP wrappers allowed; names lose ``module.``). Every
+            ``nn.Linear`` (and subclass) and ``nn.Conv2d`` with groups=1 is
+            preconditioned; other parameters reach the optimizer untouched.
+        optimizer: the backbone, any ``torch.optim.Optimizer`` holding the parameters.
+        inv_freq: factor-update period f (K2). stat_decay: gamma of the "paper" EMA (K8).
+        variant: "paper" (default) or "released"; picks the column of spec section 4
+            for every option below left as None.
+        zeta: weight on J in the stabiliser blend (K11). threshold: the stabiliser's
+            max-entry threshold epsilon (K12).
+        stabilizer_norm: only "max_entry" (O(d^2)). stabilizer_timing: "before_sm" |
+            "deferred". stabilizer_reset: "blend" | "identity". stabilizer_coupling:
+            "per_factor" | "coupled". first_update: "sm" | "identity". rescale: "joint" |
+            "sum_of_norms".
+        factor_dtype: storage dtype of the inverse factors: float32 (paper default),
+            float64, or bfloat16 / float16 (released default float16). 16-bit factors
+            are updated in float32 and rounded on store, so each stored entry carries
+            a relative error of up to 2^-8 (bfloat16) or 2^-11 (float16) per update;
+            when lambda_min(J) is below that times max|J_ij| the stored factor can lose
+            definiteness. Use float32 unless memory forces otherwise.
+        average: "once" | "double" (distributed vector averaging, spec 2.7).
+        comm_dtype: dtype of the all-reduce buffer (default: the compute dtype).
+        warmup_steps: update factors at every step while t < warmup_steps (K2).
+        grad_accum_steps: None (default) sums statistics over every backward since the
+            last step: a_bar is the mean over all captured rows and g_bar the sum of the
+            per-backward vectors, which reproduces the full-batch vectors when each
+            micro-batch loss is divided by the number of micro-batches. An int k instead
+            divides g_bar by k (the released code's convention, for un-divided losses).
+        grad_scale: loss scale of mixed-precision training; g_bar is divided by it
+            (K5). Update with :meth:`set_grad_scale` (a tensor avoids any sync).
+        skip_modules: glob patterns of module names to leave to the backbone.
+        grad_hook: "module" (default, ``register_full_backward_hook``) or "tensor" (a
+            hook on each output tensor; needed when a layer's output is modified in
+            place, e.g. by ``ReLU(inplace=True)``, which full backward hooks forbid).
+        hybrid_switch: None or "loss_rate" (MKOR-H, K18) with ``switch_window``,
+            ``switch_check_every``, ``switch_threshold``, ``switch_patience``.
+        switch_step: switch to the backbone for good at step k (MKOR-H).
+        process_group: process group for averaging vectors (default: the world).
+
+    Every invalid hyperparameter raises ``ValueError`` naming it.
+    """
+
+    def __init__(self, model, optimizer, *, inv_freq=10, stat_decay=0.95, variant="paper",
+                 zeta=0.9, threshold=2.0, stabilizer_norm="max_entry",
+                 stabilizer_timing=None, stabilizer_reset=None, stabilizer_coupling=None,
+                 first_update=None, rescale=None, factor_dtype=None, average=None,
+                 comm_dtype=None, warmup_steps=0, grad_accum_steps=None, grad_scale=1.0,
+                 skip_modules=(), grad_hook="module", hybrid_switch=None,
+                 switch_window=50, switch_check_every=10, switch_threshold=1e-3,
+                 switch_patience=3, switch_step=None, process_group=None):
+        options = {k: v for k, v in locals().items()
+                   if k not in ("self", "model", "optimizer", "process_group")}
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        self.options = MKOROptions(**options)
+        self.model, self.optimizer, self.process_group = model, optimizer, process_group
+        self._layers, self._skipped = discover(unwrap_model(model), self.options.skip_modules)
+        self._steps = 0
+        self._switched = False
+        o = self.options
+        self._rule = None
+        if o.hybrid_switch == "loss_rate" or o.switch_step is not None:
+            self._rule = LossRateSwitch(
+                o.switch_window, o.switch_check_every,
+                o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
+                o.switch_patience, o.switch_step)
+        self._grad_scale = o.grad_scale
+        self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
+        self._capture = Capture(self._layers, self.factor_update_due,
+                                lambda layer, x: _input_stat(layer, x.to(_stat_dtype(x))),
+                                lambda layer, g: _grad_stat(layer, g.to(_stat_dtype(g))),
+                                grad_hook=o.grad_hook)
+        self._capture.register()
+
+    # -- introspection -----------------------------------------------------------------
+    @property
+    def preconditioned_modules(self):
+        """Names of the preconditioned modules (in ``named_modules`` order)."""
+        return [layer.name for layer in self._layers]
+
+    @property
+    def skipped_modules(self):
+        """Names of modules with parameters that go to the backbone unpreconditioned."""
+        return list(self._skipped)
+
+    @property
+    def steps(self):
+        return self._steps
+
+    @property
+    def switched(self):
+        """Whether MKOR-H has handed over to the backbone (one-way)."""
+        return self._switched
+
+    @property
+    def switch_rule(self):
+        return self._rule
+
+    @property
+    def hooks_registered(self):
+        return self._capture.registered
+
+    def factor_update_due(self):
+        """K2 schedule for the current step: t % inv_freq == 0 or t < warmup_steps."""
+        o = self.options
+        return not self._switched and (
+            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)
+
+    def captured_modules(self):
+        """Names of modules whose statistics for the pending step are complete."""
+        return [l.name for l in self._layers if self._capture.stats(l.name) is not None]
+
+    def inverse_factors(self):
+        """{name: (L_inv, R_inv)}: the stored inverse factors ({} after the switch)."""
+        return {name: (s["L_inv"], s["R_inv"]) for name, s in self._state.items()}
+
+    def counters(self):
+        """{name: {...}} of 0-d tensors: non-finite ``skipped`` factor updates,
+        stabiliser ``fired`` count, ``updates_a`` / ``updates_g`` and deferred flags."""
+        keys = ("skipped", "fired", "updates_a", "updates_g", "reset_a", "reset_g")
+        return {name: {k: s[k] for k in keys} for name, s in self._state.items()}
+
+    @property
+    def skipped_updates(self):
+        """Total factor updates skipped for non-finite statistics (a tensor; reading its
+        value is a host sync, done by the caller)."""
+        counts = [s["skipped"] for s in self._state.values()]
+        if not counts:
+            return torch.zeros((), dtype=torch.int64)
+        return torch.stack([c.to(counts[0].device) for c in counts]).sum()
+
+    def __repr__(self):
+        return (f"MKOR(layers={len(self._layers)}, skipped={len(self._skipped)}, "
+                f"variant={self.options.variant!r}, steps={self._steps}, "
+                f"switched={self._switched}, optimizer={type(self.optimizer).__name__})")
+
+    # -- state --------------------------------------------------------------------------
+    def _initial_state(self, layer):
+        w = layer.module.weight
+        dtype, dev = self.options.factor_dtype, w.device
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        false = torch.zeros((), dtype=torch.bool, device=dev)
+        return {"L_inv": torch.eye(layer.d_out, dtype=dtype, device=dev),
+                "R_inv": torch.eye(layer.d_in, dtype=dtype, device=dev),
+                "updates_a": zero.clone(), "updates_g": zero.clone(),
+                "reset_a": false.clone(), "reset_g": false.clone(),
+                "skipped": zero.clone(), "fired": zero.clone()}
+
+    def set_grad_scale(self, scale):
+        """Set the AMP loss scale that g_bar is divided by (a float or a 0-d tensor)."""
+        if not isinstance(scale, torch.Tensor) and not scale > 0:
+            raise ValueError(f"grad_scale must be > 0, got {scale!r}")
+        self._grad_scale = scale
+
+    def state_dict(self, include_optimizer=False):
+        """Factors (by module name), counters, step count, switch state; optionally the
+        wrapped optimizer's ``state_dict()`` under ``"optimizer"``."""
+        state = {"steps": self._steps, "switched": self._switched,
+                 "layers": {n: {k: v.clone() for k, v in s.items()}
+                            for n, s in self._state.items()},
+                 "rule": None if self._rule is None else self._rule.state_dict(),
+                 "grad_scale": self._grad_scale}
+        if include_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output (and the optimizer's, if included)."""
+        if state["switched"]:
+            self._switch()
+        else:
+            names = set(self._state)
+            if set(state["layers"]) != names:
+                raise ValueError(f"state_dict layers {sorted(state['layers'])} do not match "
+                                 f"the preconditioned modules {sorted(names)}")
+            for name, saved in state["layers"].items():
+                own = self._state[name]
+                for key, value in saved.items():
+                    if own[key].shape != value.shape:
+                        raise ValueError(f"{name}.{key}: shape {tuple(value.shape)} != "
+                                         f"{tuple(own[key].shape)}")
+                    own[key] = value.to(device=own[key].device, dtype=own[key].dtype).clone()
+        self._steps = state["steps"]
+        if self._rule is not None and state.get("rule") is not None:
+            self._rule.load_state_dict(state["rule"])
+        self._grad_scale = state.get("grad_scale", self._grad_scale)
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    # -- MKOR-H -------------------------------------------------------------------------
+    def _switch(self):
+        """One-way hand-over: hooks removed, factors freed, backbone state kept."""
+        self._capture.remove()
+        self._state = {}
+        self._switched = True
+        if self._rule is not None:
+            self._rule.force(self._steps)
+
+    def observe_loss(self, loss):
+        """Feed this step's loss to the MKOR-H rule (call once per step, before
+        :meth:`step`). Pass a Python float: converting a tensor here is a host sync
+        that belongs to the caller. Returns whether MKOR has switched."""
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        if self._rule is not None and not self._switched:
+            if self._rule.observe(float(loss)):
+                self._switch()
+        return self._switched
+
+    # -- the step -----------------------------------------------------------------------
+    def zero_grad(self, set_to_none=True):
+        """``optimizer.zero_grad`` and drop statistics captured since the last step."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._capture.reset()
+
+    @torch.no_grad()
+    def precondition(self):
+        """Update factors when due (K2) and replace every hooked layer's ``.grad`` by
+        its rescaled preconditioned gradient (K13, K14); advances the step counter.
+        A no-op after the MKOR-H switch. No host synchronisation."""
+        if self._switched:
+            return
+        if self._rule is not None and self._rule.step_due(self._steps):
+            self._switch()
+            return
+        if self.factor_update_due():
+            self._update_factors()
+        self._capture.reset()
+        for layer in self._layers:
+            self._precondition_layer(layer)
+        self._steps += 1
+
+    def step(self, closure=None):
+        """:meth:`precondition`, then ``optimizer.step()``. With a closure, it is
+        evaluated first (under grad) and, for ``hybrid_switch="loss_rate"``, its loss
+        is read as a float for the switch rule (that read is a sync). Returns the loss."""
+        if self._switched:
+            return self.optimizer.step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            if self.options.hybrid_switch == "loss_rate":
+                self.observe_loss(loss)
+        self.precondition()
+        self.optimizer.step()
+        return loss
+
+    # -- internals ----------------------------------------------------------------------
+    def pending_vectors(self):
+        """{name: (a_bar, g_bar)} from the statistics captured since the last step, in
+        the compute dtype, before any cross-rank averaging (for inspection and tests)."""
+        o, cd = self.options, self.options.compute_dtype
+        g_div = o.grad_accum_steps or 1
+        out = {}
+        for layer in self._layers:
+            stats = self._capture.stats(layer.name)
+            if stats is not None:
+                a_sum, a_count, g_sum, _ = stats
+                out[layer.name] = (a_sum.to(cd) / a_count, g_sum.to(cd) / g_div / self._grad_scale)
+        return out
+
+    def _vectors(self):
+        """(layer, a_bar, g_bar, present) for every layer to update this step."""
+        o, cd = self.options, self.options.compute_dtype
+        pending = self.pending_vectors()
+        out = [(layer, *pending.get(layer.name, (None, None)), None) for layer in self._layers]
+        if world_size(self.process_group) == 1:
+            return [item for item in out if item[1] is not None]
+        # Distributed: every rank sends every layer (zeros where absent) so the buffer
+        # layouts agree; a layer no rank captured is left untouched via `present`.
+        vecs, present = [], []
+        for layer, a_bar, g_bar, _ in out:
+            dev = layer.module.weight.device
+            have = a_bar is not None
+            vecs += [a_bar if have else torch.zeros(layer.d_in, dtype=cd, device=dev),
+                     g_bar if have else torch.zeros(layer.d_out, dtype=cd, device=dev)]
+            flag = torch.full((), float(have), dtype=cd, device=dev)
+            present += [flag, flag]
+        vecs, counts = average_vectors(vecs, present, average=o.average,
+                                       comm_dtype=o.comm_dtype, group=self.process_group)
+        return [(layer, vecs[2 * i], vecs[2 * i + 1], counts[2 * i] > 0)
+                for i, (layer, *_) in enumerate(out)]
+
+    def _update_factors(self):
+        o, cd = self.options, self.options.compute_dtype
+        deferred = o.stabilizer_timing == "deferred"
+        coupled = o.stabilizer_coupling == "coupled"
+        common = dict(variant=o.variant, gamma=o.stat_decay, zeta=o.zeta,
+                      threshold=o.threshold, norm=o.stabilizer_norm,
+                      stabilizer_timing=o.stabilizer_timing,
+                      stabilizer_reset=o.stabilizer_reset, first_update=o.first_update)
+        for layer, a_bar, g_bar, present in self._vectors():
+            s = self._state[layer.name]
+            R, L = s["R_inv"].to(cd), s["L_inv"].to(cd)
+            if deferred:
+                flag_a, flag_g = s["reset_a"], s["reset_g"]
+            elif coupled:  # both factors tested before either is touched
+                flag_a = flag_g = (needs_stabilising(R, o.threshold)
+                                   | needs_stabilising(L, o.threshold))
+            else:
+                flag_a = flag_g = False
+            R_new, fired_a = factor_update(R, a_bar, first=s["updates_a"] == 0,
+                                           reset_flag=flag_a, **common)
+            L_new, fired_g = factor_update(L, g_bar, first=s["updates_g"] == 0,
+                                           reset_flag=flag_g, **common)
+            # Non-finite statistics (or an overflowing update) never enter a factor.
+            ok_a = torch.isfinite(a_bar).all() & torch.isfinite(R_new).all()
+            ok_g = torch.isfinite(g_bar).all() & torch.isfinite(L_new).all()
+            if present is not None:
+                s["skipped"] = (s["skipped"] + (present & ~ok_a).long()
+                                + (present & ~ok_g).long())
+                ok_a, ok_g = ok_a & present, ok_g & present
+            else:
+                s["skipped"] = s["skipped"] + (~ok_a).long() + (~ok_g).long()
+            s["R_inv"] = torch.where(ok_a, R_new, R).to(o.factor_dtype)
+            s["L_inv"] = torch.where(ok_g, L_new, L).to(o.factor_dtype)
+            s["updates_a"] = s["updates_a"] + ok_a.long()
+            s["updates_g"] = s["updates_g"] + ok_g.long()
+            s["fired"] = s["fired"] + (ok_a & fired_a).long() + (ok_g & fired_g).long()
+            if deferred:  # a skipped factor keeps its pending flag
+                fa = torch.where(ok_a, fired_a, s["reset_a"])
+                fg = torch.where(ok_g, fired_g, s["reset_g"])
+                either = fa | fg
+                s["reset_a"], s["reset_g"] = (either, either) if coupled else (fa, fg)
+
+    def _precondition_layer(self, layer):
+        weight, bias = layer.module.weight, layer.module.bias
+        if weight.grad is None:
+            return
+        if weight.grad.is_sparse:
+            raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
+        s = self._state[layer.name]
+        cd = torch.promote_types(weight.grad.dtype, self.options.compute_dtype)
+        grad_W = weight.grad.to(cd)
+        grad_b = None
+        if layer.has_bias:  # a frozen or unused bias still owns a column of R
+            grad_b = (bias.grad.to(cd) if bias.grad is not None
+                      else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
+        delta_W, delta_b = precondition(s["L_inv"].to(cd), s["R_inv"].to(cd), grad_W, grad_b)
+        delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, self.options.rescale)
+        weight.grad.copy_(delta_W)
+        if layer.has_bias and bias.grad is not None:
+            bias.grad.copy_(delta_b)
