@@ -158,7 +158,7 @@ class MARSReference:
         self.last_grad = [z.copy() for z in zeros]
 
     def step(self, grads, prev_grads=None):
-        cfg, b1, b2 = self.config, *self.config.betas
+        cfg, b1 = self.config, self.config.betas[0]
         self.k += 1
         grads = [np.asarray(g, dtype=np.float64) for g in grads]
         if not cfg.is_approx and self.k > 1:

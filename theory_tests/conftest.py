@@ -26,6 +26,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
+# The suite's tensors are tiny: one intra-op thread beats two (OpenMP workers spin on a busy
+# 2-core machine, measured ~10x slower), and results do not depend on the thread count.
+torch.set_num_threads(1)
+
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
            pytest.mark.skipif(not CUDA, reason="no CUDA device present")])]

@@ -1,6 +1,5 @@
 """Small helpers shared by the MARS property and contract tests: seeded parameters, gradients
 fed by hand, snapshots, and a whole-optimizer comparison."""
-import numpy as np
 import torch
 
 F64 = torch.float64

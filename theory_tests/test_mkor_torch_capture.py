@@ -4,22 +4,12 @@ Vectors captured by the hooks are compared with explicit formulas computed from 
 recorded layer inputs and output gradients, in float64 (tolerance 1e-12: sums of at
 most a few hundred O(1) terms, so the only difference is summation order).
 """
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
 from torch_impl.mkor import MKOR
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is ~10x faster than two on a busy
-    2-core machine (OpenMP workers spin); the previous setting is restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 f64 = torch.float64
 

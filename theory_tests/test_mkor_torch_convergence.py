@@ -10,22 +10,11 @@ loss below 0.6x the best plain-SGD loss over lr in {0.03, 0.1, 0.2} with the sam
 seed, batches and steps. A broken preconditioner (e.g. identity factors, which with
 the norm-preserving rescale reduce MKOR to SGD at lr 0.1) fails it.
 """
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
 from torch_impl.mkor import MKOR
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is ~10x faster than two on a busy
-    2-core machine (OpenMP workers spin); the previous setting is restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _data(n=256, d=16):

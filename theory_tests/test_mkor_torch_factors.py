@@ -13,15 +13,6 @@ from hypothesis import given, strategies as st
 from torch_impl.mkor import factors as F
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is ~10x faster than two on a busy
-    2-core machine (OpenMP workers spin); the previous setting is restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 f64 = torch.float64
 
 

@@ -11,16 +11,6 @@ import torch.nn.functional as Fn
 from torch_impl.mkor import LossRateSwitch, MKOR
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is ~10x faster than two on a busy
-    2-core machine (OpenMP workers spin); the previous setting is restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_switch_fires_exactly_once_at_the_predicted_step():
     """Synthetic curve: loss 1/(1+t) for t < 60, then flat. W=10, checks every 5 steps,
     tau=1e-3, patience 2. Rates while decreasing are >= 1e-3; once both windows lie on

@@ -7,16 +7,6 @@ from reference import first_order
 from torch_impl.mkor import LAMB
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is ~10x faster than two on a busy
-    2-core machine (OpenMP workers spin); the previous setting is restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_lamb_matches_the_oracle(device, weight_decay):
     """float64, 12 steps, a normal tensor and an all-zero one (trust ratio 1 branch):
