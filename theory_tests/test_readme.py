@@ -13,8 +13,9 @@ def _blocks(lang):
 def test_python_examples_run():
     blocks = _blocks("python")
     assert blocks, "the README has no Python example"
+    namespace = {}  # one session, in reading order, as a user would paste them
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "README.md", "exec"), namespace)
 
 
 def test_ci_runs_the_readme_commands():
