@@ -4,6 +4,7 @@ Vectors captured by the hooks are compared with explicit formulas computed from 
 recorded layer inputs and output gradients, in float64 (tolerance 1e-12: sums of at
 most a few hundred O(1) terms, so the only difference is summation order).
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
@@ -66,6 +67,21 @@ def test_mha_out_proj_vectors_are_exact():
     assert torch.allclose(a_bar[:-1] @ W.T + b, out.detach().reshape(-1, 8).mean(0),
                           rtol=0, atol=1e-12)
     assert a_bar[-1] == 1
+
+
+def test_mha_without_an_autograd_record_warns_once(monkeypatch):
+    """If a future torch hides the out-projection's matmul, the layer must not be skipped
+    silently: one RuntimeWarning names it, and its factors stay as they were."""
+    import torch_impl.mkor.capture as capture
+    monkeypatch.setattr(capture, "_find_matmul_input", lambda output, weight: None)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    mkor = MKOR(attn, torch.optim.SGD(attn.parameters(), lr=0.1), factor_dtype="float64")
+    x = torch.randn(3, 5, 8, dtype=f64)
+    with pytest.warns(RuntimeWarning, match="out_proj") as record:
+        for _ in range(2):
+            attn(x, x, x)[0].square().mean().backward()
+    assert sum("out_proj" in str(w.message) for w in record) == 1
+    assert "out_proj" not in mkor.pending_vectors()
 
 
 def _record(module):

@@ -209,6 +209,7 @@ class Capture:
         self.grad_stat = grad_stat
         self._stats = {layer.name: _Stats() for layer in self.layers}
         self._handles = []
+        self._warned = set()  # layers already warned about (once each)
 
     # -- hooks ---------------------------------------------------------------------
     def _active(self, module):
@@ -250,8 +251,14 @@ class Capture:
                     return
                 out = output[0] if isinstance(output, tuple) else output
                 y = _find_matmul_input(out, weight) if out.grad_fn is not None else None
-                if y is None:
-                    return  # no autograd record of the projection: nothing to capture
+                if y is None:  # no autograd record of the projection: nothing to capture
+                    if layer.name not in self._warned:
+                        self._warned.add(layer.name)
+                        warnings.warn(f"MKOR: could not find the input of {layer.name} in "
+                                      "the autograd graph of its attention module; this "
+                                      "layer keeps its current factors (it is listed in "
+                                      "preconditioned_modules)", RuntimeWarning)
+                    return
                 self._push_input(layer, y.reshape(-1, y.shape[-1]))
                 if tensor_mode:
                     out.register_hook(self._grad_hook(layer))
