@@ -56,7 +56,9 @@ class MARS(Optimizer):
         mars_type (str): ``"mars-adamw"``, ``"mars-lion"`` or ``"mars-shampoo"``.
         optimize_1d (bool): send non-2-D tensors through MARS too. Default ``False``.
         lr_1d (float), betas_1d (tuple), weight_decay_1d (float): the fallback's
-            hyperparameters. Defaults ``3e-3``, ``(0.9, 0.95)``, ``0.1``.
+            hyperparameters. Defaults ``3e-3``, ``(0.9, 0.95)``, ``0.1``.  Each may be set
+            per parameter group; a group's ``lr_1d`` is stored as ``lr_1d_factor`` =
+            ``lr_1d / lr`` of that group.
 
     Keyword-only (the documented deviations; ``paper_notes/mars.md``):
         clip_scope: ``"tensor"`` (official), ``"global"`` (paper: one norm over every MARS tensor
@@ -68,7 +70,9 @@ class MARS(Optimizer):
             ``"group"`` (the group's ``weight_decay``).
         state_dtype: dtype of the optimizer state (e.g. ``torch.float32`` for bf16/fp16
             parameters); the update is then computed in that dtype and rounded into the
-            parameter once.  Default ``None``: the parameter's own dtype.
+            parameter once.  Default ``None``: the parameter's own dtype.  The parameter is
+            still rounded to its dtype each step, so a step below half its ulp is lost
+            (keep float32 master weights when that matters).
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
 
@@ -106,6 +110,13 @@ class MARS(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
+        if "lr_1d" in param_group:  # a group's own 1-D lr, kept as a ratio to the group's lr
+            param_group = dict(param_group)
+            lr_1d, lr = param_group.pop("lr_1d"), param_group.get("lr", self.defaults["lr"])
+            _check_number("lr_1d", lr_1d, low=0.0)
+            if lr == 0.0 and lr_1d != 0.0:
+                raise ValueError("lr_1d: a group with lr = 0 cannot define lr_1d / lr")
+            param_group["lr_1d_factor"] = lr_1d / lr if lr > 0 else 0.0
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
