@@ -8,7 +8,9 @@ every rank's factors and parameters must equal a single-process run on the whole
 batch, to 1e-12 in float64 (summation order only). ``average="double"`` must
 reproduce the released code's extra division by the world size.
 """
+import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -49,7 +51,7 @@ def _train(model, mkor, opt, rank=None, steps=3):
 
 def _worker(rank, store_path, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD)
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         for average in ("once", "double"):
@@ -78,8 +80,14 @@ def single_process():
 def ranks(tmp_path_factory):
     """One 2-rank gloo job (forked: no re-import), training once per ``average``."""
     out = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD,
-                       start_method="fork")
+    ctx = mp.start_processes(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD,
+                             start_method="fork", join=False)
+    deadline = time.monotonic() + 120  # a hung collective must fail the test, not CI
+    while not ctx.join(timeout=1):  # join raises at once if a worker raised or died
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the 2-rank gloo job did not finish within 120 s")
     return {avg: [torch.load(out / f"{avg}{r}.pt", weights_only=False) for r in range(WORLD)]
             for avg in ("once", "double")}
 
