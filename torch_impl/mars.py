@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import torch
 from torch.optim import Optimizer
 
+from . import mars_compiled as C
 from . import mars_functional as F
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
@@ -75,6 +76,11 @@ class MARS(Optimizer):
             (keep float32 master weights when that matters).
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
+        compiled (bool): run each tensor's elementwise step as one ``torch.compile``d kernel
+            (``mars_compiled.py``; one reduction pass for the clip norm, one fused pass for the
+            rest).  The first step compiles (seconds); schedules and step counts enter as
+            tensors and shapes are dynamic, so later steps do not recompile.  MARS-Shampoo
+            matrices keep the eager path.
 
     State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
@@ -93,7 +99,7 @@ class MARS(Optimizer):
                  optimize_1d=False, lr_1d=3e-3, betas_1d=(0.9, 0.95), weight_decay_1d=0.1, *,
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
-                 state_dtype=None, maximize=False, foreach=None):
+                 state_dtype=None, maximize=False, foreach=None, compiled=False):
         _check_number("lr", lr, low=0.0)
         _check_number("lr_1d", lr_1d, low=0.0)
         if lr == 0.0 and lr_1d != 0.0:
@@ -106,7 +112,8 @@ class MARS(Optimizer):
                         betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
-                        state_dtype=state_dtype, maximize=maximize, foreach=foreach)
+                        state_dtype=state_dtype, maximize=maximize, foreach=foreach,
+                        compiled=compiled)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -174,7 +181,13 @@ class MARS(Optimizer):
                     loss = closure()
 
         self._check_gradients()
-        work = [self._init_group(group) for group in self.param_groups]
+        work, fused = [], []
+        for group in self.param_groups:
+            w = self._init_group(group)
+            if group["compiled"]:  # Shampoo matrices stay eager (matmul-bound)
+                w, f = _partition(w, lambda kind: kind == F.SHAMPOO)
+                fused.append((group, f))
+            work.append(w)
         for group, w in zip(self.param_groups, work):  # phase 1: c_t into last_grad (M1/M2)
             a = F.correction_coefficient(group["gamma"], group["betas"][0])
             correct = F.multi_tensor_correct if w.foreach else F.single_tensor_correct
@@ -182,7 +195,9 @@ class MARS(Optimizer):
             w.norms = correct([g for g, kind in zip(w.grads, w.kinds) if kind != F.FALLBACK],
                               w.cs, a)
         total = _global_norm([n for group, w in zip(self.param_groups, work)
-                              if group["clip_scope"] == "global" for n in w.norms])
+                              if group["clip_scope"] == "global" for n in w.norms]
+                             + [n for group, f in fused if group["clip_scope"] == "global"
+                                for n in C.global_norms(group, f)])
 
         for group, w in zip(self.param_groups, work):
             if group["clip_scope"] != "none" and w.cs:  # phase 2: the clip (M3)
@@ -192,13 +207,16 @@ class MARS(Optimizer):
             c_all = [None if kind == F.FALLBACK else next(corrected) for kind in w.kinds]
             update = F.multi_tensor_update if w.foreach else F.single_tensor_update
             update([w.params, w.grads, c_all, w.states, w.kinds], _hyperparameters(group))
-            for p, work_p in zip(w.originals, w.params):  # phase 3 done in a wider state_dtype?
-                if work_p is not p:
-                    p.copy_(work_p)
             if not exact:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
                 for g, st, kind in zip(w.grads, w.states, w.kinds):
                     if kind != F.FALLBACK:
                         st["last_grad"].copy_(g)
+        for group, f in fused:  # phases 1-3 fused per tensor (compiled=True)
+            C.update(group, f, total, exact)
+        for w in work + [f for _, f in fused]:  # updates done in a wider state_dtype?
+            for p, work_p in zip(w.originals, w.params):
+                if work_p is not p:
+                    p.copy_(work_p)
         return loss
 
     def _check_gradients(self):
@@ -281,6 +299,17 @@ class MARS(Optimizer):
         return loss
 
 
+def _partition(w, stays):
+    """Split a group's lists: the tensors whose route satisfies ``stays`` and the rest."""
+    keys = ("params", "originals", "grads", "states", "kinds")
+    parts = [SimpleNamespace(foreach=w.foreach, **{k: [] for k in keys}) for _ in range(2)]
+    for i, kind in enumerate(w.kinds):
+        part = parts[0] if stays(kind) else parts[1]
+        for k in keys:
+            getattr(part, k).append(getattr(w, k)[i])
+    return parts
+
+
 def _use_foreach(group):
     """``foreach=None`` picks the multi-tensor kernels when every parameter is on CUDA."""
     if group["foreach"] is None:
@@ -351,7 +380,7 @@ def _validate_group(g):
     _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
     if g["state_dtype"] is not None:
         _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
-    for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize"):
+    for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize", "compiled"):
         if not isinstance(g[flag], bool):
             raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
     if g["foreach"] not in (None, True, False):

@@ -43,14 +43,14 @@ def shape_scale(shape):
 # ------------------------------------------------------------------ single-tensor equations
 
 def corrected_gradient_(g_prev, g, a):
-    r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = (1 + a) g_t - a g_prev, written into
-    the buffer that held g_prev, so the correction needs no temporary."""
-    return g_prev.mul_(-a).add_(g, alpha=1.0 + a)
+    r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = lerp(g_prev, g_t, 1 + a), written
+    into the buffer that held g_prev: one pass, no temporary."""
+    return g_prev.lerp_(g, 1.0 + a)
 
 
 def momentum_(m, c, beta1):
-    r"""(M4)  m <- beta1 m + (1 - beta1) c."""
-    return m.mul_(beta1).add_(c, alpha=1.0 - beta1)
+    r"""(M4)  m <- beta1 m + (1 - beta1) c = lerp(m, c, 1 - beta1)."""
+    return m.lerp_(c, 1.0 - beta1)
 
 
 def second_moment_(v, c, beta2):
@@ -59,19 +59,23 @@ def second_moment_(v, c, beta2):
 
 
 def adamw_step_(p, m, v, k, lr, beta1, beta2, eps, weight_decay):
-    r"""(M7)+(M8)  p <- p (1 - lr wd) - lr m / ((sqrt(v) / sqrt(bc2) + eps) bc1).
+    r"""(M7)+(M8)  p <- p (1 - lr wd) - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps).
 
     Also (M14), the AdamW fallback, called with lr r, betas_1d and weight_decay_1d.
-    ``v`` is v-bar (M9) under amsgrad.
+    ``v`` is v-bar (M9) under amsgrad.  One temporary (the denominator).
     """
     bc1, bc2 = 1.0 - beta1**k, 1.0 - beta2**k
-    denom = v.sqrt().mul_(1.0 / math.sqrt(bc2)).add_(eps).mul_(bc1)
-    p.mul_(1.0 - lr * weight_decay).addcdiv_(m, denom, value=-lr)
+    denom = v.sqrt().div_(math.sqrt(bc2)).add_(eps)
+    if weight_decay != 0.0:
+        p.mul_(1.0 - lr * weight_decay)
+    p.addcdiv_(m, denom, value=-lr / bc1)
 
 
 def lion_step_(p, m, lr, weight_decay):
     r"""(M10)  p <- p (1 - lr wd) - lr sign(m)."""
-    p.mul_(1.0 - lr * weight_decay).add_(torch.sign(m), alpha=-lr)
+    if weight_decay != 0.0:
+        p.mul_(1.0 - lr * weight_decay)
+    p.add_(torch.sign(m), alpha=-lr)
 
 
 def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
@@ -87,19 +91,19 @@ def shampoo_step_(p, m, lr, beta1, eps, weight_decay, orthogonalizer, ns_steps, 
     if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
         return
     direction = shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype)
-    p.mul_(1.0 - lr * weight_decay).add_(direction, alpha=-lr * shape_scale(p.shape))
+    if weight_decay != 0.0:
+        p.mul_(1.0 - lr * weight_decay)
+    p.add_(direction, alpha=-lr * shape_scale(p.shape))
 
 
 # ------------------------------------------------------------------ multi-tensor equations
 
 def foreach_corrected_gradient_(g_prevs, gs, a):
-    torch._foreach_mul_(g_prevs, -a)
-    torch._foreach_add_(g_prevs, gs, alpha=1.0 + a)
+    torch._foreach_lerp_(g_prevs, gs, 1.0 + a)
 
 
 def foreach_momentum_(ms, cs, beta1):
-    torch._foreach_mul_(ms, beta1)
-    torch._foreach_add_(ms, cs, alpha=1.0 - beta1)
+    torch._foreach_lerp_(ms, cs, 1.0 - beta1)
 
 
 def foreach_second_moment_(vs, cs, beta2):
@@ -109,15 +113,16 @@ def foreach_second_moment_(vs, cs, beta2):
 
 def foreach_adamw_step_(ps, ms, vs, ks, lr, beta1, beta2, eps, weight_decay):
     denoms = torch._foreach_sqrt(vs)
-    torch._foreach_mul_(denoms, [1.0 / math.sqrt(1.0 - beta2**k) for k in ks])
+    torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**k) for k in ks])
     torch._foreach_add_(denoms, eps)
-    torch._foreach_mul_(denoms, [1.0 - beta1**k for k in ks])
-    torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
-    torch._foreach_addcdiv_(ps, ms, denoms, [-lr] * len(ps))
+    if weight_decay != 0.0:
+        torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
+    torch._foreach_addcdiv_(ps, ms, denoms, [-lr / (1.0 - beta1**k) for k in ks])
 
 
 def foreach_lion_step_(ps, ms, lr, weight_decay):
-    torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
+    if weight_decay != 0.0:
+        torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
     torch._foreach_add_(ps, torch._foreach_sign(ms), alpha=-lr)
 
 

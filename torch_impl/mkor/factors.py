@@ -85,8 +85,8 @@ def rank1_inverse_update(J, v, *, variant="paper", gamma=0.95):
 
 
 def max_entry_norm(J):
-    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, O(d^2)."""
-    return J.abs().amax()
+    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, one O(d^2) pass."""
+    return torch.linalg.vector_norm(J, ord=float("inf"))
 
 
 def needs_stabilising(J, threshold=RELEASED_THRESHOLD, norm="max_entry"):
@@ -140,6 +140,17 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
     :func:`rank1_inverse_update`, and NaN norms count as exceeding. With
     ``first_update="identity"`` and ``first``, J_t = I and f = False (v dropped).
 
+    Every case is one affine map of J: with \hat J = \alpha J + \beta I and u = \hat J v,
+
+    .. math::
+        J_t = \kappa\alpha\, J + \kappa\beta\, I - w\, u u^T,\qquad
+        (\kappa, w) = \Big(\frac1\gamma, \frac{1-\gamma}{\gamma(\gamma + (1-\gamma) v^T u)}\Big)
+        \text{ (K8)},\quad \Big(1, \frac1{1 + v^T u}\Big) \text{ (K10)},
+
+    so the update reads J once for J v and once to write J_t (plus one max-entry pass), and
+    never materialises \hat J, the identity or a blend.  ``-w u u^T`` is applied as
+    ``-a a^T`` with a = \sqrt{w} u, which keeps J_t exactly symmetric (w >= 0 for SPD J).
+
     ``first`` and ``reset_flag`` may be Python bools or 0-d bool tensors. Options left
     None take the ``variant``'s column (spec section 4). Returns ``(J_t, f)`` with f a
     0-d bool tensor. Mirrors ``reference.mkor_factors.factor_update``.
@@ -150,23 +161,46 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
     timing = stabilizer_timing or column["stabilizer_timing"]
     reset = stabilizer_reset or column["stabilizer_reset"]
     first_mode = first_update or column["first_update"]
-    flag = _as_flag(reset_flag, J)
-    if timing == "before_sm":
-        fired = flag | needs_stabilising(J, threshold, norm)
-        J_new = rank1_inverse_update(torch.where(fired, reset_factor(J, reset=reset, zeta=zeta), J),
-                                     v, variant=variant, gamma=gamma)
-    elif timing == "deferred":
-        J_new = torch.where(flag, reset_factor(J, reset=reset, zeta=zeta),
-                            rank1_inverse_update(J, v, variant=variant, gamma=gamma))
-        fired = needs_stabilising(J_new, threshold, norm)
-    else:
+    if timing not in ("before_sm", "deferred"):
         raise ValueError(f"stabilizer_timing must be 'before_sm' or 'deferred', got {timing!r}")
-    if first_mode == "identity":
-        is_first = _as_flag(first, J)
-        J_new = torch.where(is_first, _eye_like(J), J_new)
-        fired = fired & ~is_first
-    elif first_mode != "sm":
+    if reset not in ("blend", "identity"):
+        raise ValueError(f"stabilizer_reset must be 'blend' or 'identity', got {reset!r}")
+    if first_mode not in ("sm", "identity"):
         raise ValueError(f"first_update must be 'sm' or 'identity', got {first_mode!r}")
+    scalar = lambda x: J.new_full((), x)  # noqa: E731  (a device-side fill, no copy)
+    alpha_r, beta_r = (zeta, 1.0 - zeta) if reset == "blend" else (0.0, 1.0)
+    flag = _as_flag(reset_flag, J)
+    if timing == "before_sm":  # \hat J = reset(J) when the stabiliser fires, else J
+        fired = flag | needs_stabilising(J, threshold, norm)
+        alpha = torch.where(fired, scalar(alpha_r), scalar(1.0))
+        beta = torch.where(fired, scalar(beta_r), scalar(0.0))
+    else:
+        alpha, beta = scalar(1.0), scalar(0.0)
+    if variant == "released":  # K10's blend of the inverse, J' = 0.95 \hat J + 0.05 I
+        alpha, beta = RELEASED_BLEND * alpha, RELEASED_BLEND * beta + (1 - RELEASED_BLEND)
+    u = alpha * (J @ v) + beta * v
+    q = torch.dot(v, u)
+    if variant == "paper":
+        kappa, w = 1.0 / gamma, (1 - gamma) / (gamma * (gamma + (1 - gamma) * q))
+    else:
+        kappa, w = 1.0, 1.0 / (1 + q)
+    A, B = kappa * alpha, kappa * beta
+    if timing == "deferred":  # a flagged factor is reset instead of updated
+        A = torch.where(flag, scalar(alpha_r), A)
+        B = torch.where(flag, scalar(beta_r), B)
+        w = torch.where(flag, scalar(0.0), w)
+    if first_mode == "identity":  # the first update sets J = I and drops v
+        is_first = _as_flag(first, J)
+        A = torch.where(is_first, scalar(0.0), A)
+        B = torch.where(is_first, scalar(1.0), B)
+        w = torch.where(is_first, scalar(0.0), w)
+    a = u * torch.sqrt(w)
+    J_new = (J * A).addr_(a, a, alpha=-1.0)
+    J_new.diagonal().add_(B)
+    if timing == "deferred":
+        fired = needs_stabilising(J_new, threshold, norm)
+    if first_mode == "identity":
+        fired = fired & ~is_first
     return J_new, fired
 
 

@@ -1,0 +1,232 @@
+"""Optimizer-step benchmarks against torch.optim, measured in the same run.
+
+    python -m figures.bench [--only mars|mkor|memory] [--repeats 9] [--device cpu] [--json PATH]
+
+* ``mars``: one optimizer step (no forward/backward) on a GPT-like parameter list (~30M
+  parameters in ~100 tensors: embeddings, attention and MLP matrices, biases, norms) for
+  torch AdamW (loop, foreach, fused), MARS-AdamW (single-tensor, foreach, compiled), a Lion
+  baseline vs MARS-Lion, and torch Muon vs MARS-Shampoo on the matrices.
+* ``mkor``: a training step (forward + backward + step) of an MLP of 4 x Linear(1024) at batch
+  1024 with SGD(momentum) alone, under MKOR (inv_freq=10) and under K-FAC.
+* ``memory``: optimizer-state bytes and peak step temporaries per parameter, vs AdamW.
+
+Runs are interleaved (every repeat times every contender once, in turn) and the median is
+reported with its ratio to the reference contender of the same table: absolute times are not
+comparable across runs on these noisy machines, the ratios are the result.  Prints Markdown
+tables and one JSON document.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from torch_impl import KFAC, MARS, MKOR
+from torch_impl.step_memory import StepMemory
+
+
+def gpt_like_params(device, dtype=torch.float32, vocab=8192, d=512, layers=8, ctx=1024):
+    """~30.5M parameters in 99 tensors, shaped like a small GPT."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    shapes += [(d,)]
+    params = [torch.nn.Parameter(0.02 * torch.randn(s, generator=g, dtype=dtype).to(device))
+              for s in shapes]
+    for p in params:
+        p.grad = 0.01 * torch.randn(p.shape, generator=g, dtype=dtype).to(device)
+    return params
+
+
+class Lion(torch.optim.Optimizer):
+    """A foreach Lion baseline (Chen et al. 2023): u = sign(b1 m + (1-b1) g),
+    p <- p (1 - lr wd) - lr u, m <- b2 m + (1-b2) g.  torch has no Lion."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            gs = [p.grad for p in ps]
+            ms = [self.state[p].setdefault("m", torch.zeros_like(p)) for p in ps]
+            b1, b2 = group["betas"]
+            u = torch._foreach_lerp(ms, gs, 1 - b1)
+            torch._foreach_sign_(u)
+            torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(ps, u, alpha=-group["lr"])
+            torch._foreach_lerp_(ms, gs, 1 - b2)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(contenders, repeats, device, warmup=2):
+    """{name: median seconds} of ``fn()`` over ``repeats`` interleaved rounds."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _stepper(make, device):
+    params = gpt_like_params(device)
+    opt = make(params)
+    return opt.step
+
+
+def bench_mars(repeats, device):
+    wd = 0.1
+    cpu = device.type == "cpu"
+    steps = {
+        "AdamW loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=wd, foreach=False),
+        "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=wd, foreach=True),
+        "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=wd, fused=True),
+        "MARS-AdamW loop": lambda ps: MARS(ps, weight_decay=wd, foreach=False),
+        "MARS-AdamW foreach": lambda ps: MARS(ps, weight_decay=wd, foreach=True),
+        "MARS-AdamW compiled": lambda ps: MARS(ps, weight_decay=wd, compiled=True),
+        "Lion foreach": lambda ps: Lion(ps, weight_decay=wd),
+        "MARS-Lion foreach": lambda ps: MARS(ps, mars_type="mars-lion", weight_decay=wd, foreach=True),
+        "MARS-Lion compiled": lambda ps: MARS(ps, mars_type="mars-lion", weight_decay=wd, compiled=True),
+    }
+    contenders = {name: _stepper(make, device) for name, make in steps.items()}
+    compile_seconds = {}
+    for name, fn in contenders.items():  # first call: state creation (and compilation)
+        start = time.perf_counter()
+        fn()
+        compile_seconds[name] = time.perf_counter() - start
+    times = interleaved(contenders, repeats, device)
+    matrices = lambda ps: [p for p in ps if p.ndim == 2]  # noqa: E731
+    muon = {
+        "Muon (torch)": lambda ps: torch.optim.Muon(matrices(ps), lr=0.02, weight_decay=wd),
+        "MARS-Shampoo": lambda ps: MARS(matrices(ps), mars_type="mars-shampoo", weight_decay=wd),
+    }
+    times.update(interleaved({n: _stepper(m, device) for n, m in muon.items()},
+                             max(3, repeats // 3), device, warmup=1))
+    return times, {k: v for k, v in compile_seconds.items() if "compiled" in k}
+
+
+def mlp(width=1024, depth=4):
+    layers = []
+    for i in range(depth):
+        layers += [torch.nn.Linear(width, width)] + ([torch.nn.ReLU()] if i < depth - 1 else [])
+    return torch.nn.Sequential(*layers)
+
+
+def bench_mkor(repeats, device, width=1024, batch=1024):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, width, generator=g).to(device)
+
+    def trainer(wrap):
+        torch.manual_seed(0)
+        model = mlp(width).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        stepper = wrap(model, opt)
+
+        def step():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            stepper.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    # inv_freq = 10: time 10 consecutive steps per round, so each round holds one factor update
+    contenders = {
+        "SGD": trainer(lambda m, o: o),
+        "MKOR": trainer(lambda m, o: MKOR(m, o, inv_freq=10)),
+        "KFAC": trainer(lambda m, o: KFAC(m, o, inv_freq=10, factor_freq=10)),
+    }
+    tenfold = {n: (lambda fn=fn: [fn() for _ in range(10)]) for n, fn in contenders.items()}
+    return {n: t / 10 for n, t in interleaved(tenfold, repeats, device, warmup=1).items()}
+
+
+def bench_memory(device):
+    """State bytes per parameter and peak live temporaries during one step, per optimizer."""
+    out = {}
+    makers = {
+        "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        "AdamW loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+        "MARS-AdamW loop": lambda ps: MARS(ps, foreach=False),
+        "MARS-AdamW foreach": lambda ps: MARS(ps, foreach=True),
+        "MARS-Lion foreach": lambda ps: MARS(ps, mars_type="mars-lion", foreach=True),
+    }
+    for name, make in makers.items():
+        params = gpt_like_params(device, layers=2, vocab=1024)
+        opt = make(params)
+        opt.step()  # state exists before the measured step
+        with StepMemory() as mem:
+            opt.step()
+        n = sum(p.numel() for p in params)
+        state = sum(t.numel() * t.element_size() for st in opt.state.values()
+                    for t in st.values() if torch.is_tensor(t) and t.numel() > 1)
+        largest = max(p.numel() * p.element_size() for p in params)
+        out[name] = {"state_bytes_per_param": state / n,
+                     "peak_temporary_bytes_per_param": mem.peak_bytes / n,
+                     "peak_temporary_over_largest_param": mem.peak_bytes / largest}
+    return out
+
+
+def _table(title, times, reference):
+    lines = [f"\n{title}", "| contender | median (ms) | / " + reference + " |", "|---|---|---|"]
+    for name, t in times.items():
+        lines.append(f"| {name} | {t * 1e3:.2f} | {t / times[reference]:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["mars", "mkor", "memory"])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", help="also write the JSON document here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    report = {"device": str(device), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "repeats": args.repeats}
+    print(f"device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"median of {args.repeats} interleaved rounds")
+    if args.only in (None, "mars"):
+        times, compile_s = bench_mars(args.repeats, device)
+        report["mars_step_seconds"], report["compile_seconds"] = times, compile_s
+        fastest = min(("AdamW loop", "AdamW foreach", "AdamW fused"), key=times.get)
+        print(_table("Optimizer step, GPT-like 30.5M parameters in 99 tensors", times,
+                     "AdamW loop"))
+        print(f"fastest torch AdamW path: {fastest}; MARS-AdamW foreach / it = "
+              f"{times['MARS-AdamW foreach'] / times[fastest]:.2f}, compiled / fused = "
+              f"{times['MARS-AdamW compiled'] / times['AdamW fused']:.2f}; one-time compile: "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
+    if args.only in (None, "mkor"):
+        times = bench_mkor(args.repeats, device)
+        report["mkor_train_step_seconds"] = times
+        print(_table("Training step, MLP 4 x Linear(1024), batch 1024, inv_freq 10", times, "SGD"))
+    if args.only in (None, "memory"):
+        report["memory"] = bench_memory(device)
+        print("\n| optimizer | state bytes / param | peak step temporaries / param "
+              "| peak temporaries / largest param |\n|---|---|---|---|")
+        for name, m in report["memory"].items():
+            print(f"| {name} | {m['state_bytes_per_param']:.1f} | "
+                  f"{m['peak_temporary_bytes_per_param']:.2f} | "
+                  f"{m['peak_temporary_over_largest_param']:.2f} |")
+    text = json.dumps(report)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
