@@ -11,17 +11,17 @@ the eager path: Newton-Schulz is matmul-bound and gains nothing from elementwise
 import torch
 
 # layout of the hyperparameter vector ``hp`` (one per group, device and step count)
-LR, WD, A, BETA1, BETA2, EPS, BC1, SQRT_BC2, SIGN, DIVISOR = range(10)
+LR, WD, A, BETA1, BETA2, EPS, BC1, SQRT_BC2, DIVISOR = range(9)
 
 
 def _corrected(g, last, hp, tensor_clip):
     r"""(M1)-(M3): c~ = c / max(||c||, 1) (tensor scope) or c / divisor (global: the clamped
-    global norm; no clip: 1), with c = s g + a (s g - g_prev) and s = -1 under maximize."""
-    g = g * hp[SIGN]
+    global norm; no clip: 1), with c = g + a (g - g_prev).  Under maximize, g arrives
+    negated (``MARS._init_group``)."""
     c = g + hp[A] * (g - last)
     if tensor_clip:
-        return g, c / torch.clamp(torch.linalg.vector_norm(c), min=1.0)
-    return g, c / hp[DIVISOR]
+        return c / torch.clamp(torch.linalg.vector_norm(c), min=1.0)
+    return c / hp[DIVISOR]
 
 
 def _adam_update(p, c, m, v, vmax, hp):
@@ -41,7 +41,7 @@ def _adam_update(p, c, m, v, vmax, hp):
 
 def adamw_kernel(p, g, last, m, v, vmax, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M9) for one tensor."""
-    g, c = _corrected(g, last, hp, tensor_clip)
+    c = _corrected(g, last, hp, tensor_clip)
     _adam_update(p, c, m, v, vmax, hp)
     if write_last:
         last.copy_(g)
@@ -49,12 +49,12 @@ def adamw_kernel(p, g, last, m, v, vmax, hp, tensor_clip: bool, write_last: bool
 
 def fallback_kernel(p, g, m, v, hp):
     r"""(M14): AdamW on the raw gradient (hp carries lr r, betas_1d, weight_decay_1d)."""
-    _adam_update(p, g * hp[SIGN], m, v, None, hp)
+    _adam_update(p, g, m, v, None, hp)
 
 
 def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M4), (M10) for one tensor."""
-    g, c = _corrected(g, last, hp, tensor_clip)
+    c = _corrected(g, last, hp, tensor_clip)
     m_new = m + (1 - hp[BETA1]) * (c - m)
     p.copy_(p * (1 - hp[LR] * hp[WD]) - hp[LR] * torch.sign(m_new))
     m.copy_(m_new)
@@ -64,7 +64,6 @@ def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
 
 def corrected_norm_kernel(g, last, hp):
     """||c_t|| without materialising c_t: the first pass of the global clip."""
-    g = g * hp[SIGN]
     return torch.linalg.vector_norm(g + hp[A] * (g - last))
 
 
@@ -78,9 +77,9 @@ def compiled(fn):
     return _compiled[fn]
 
 
-def hyperparameters(device, dtype, lr, wd, a, beta1, beta2, eps, k, sign, divisor=None):
+def hyperparameters(device, dtype, lr, wd, a, beta1, beta2, eps, k, divisor=None):
     """The ``hp`` vector for one group, device and step count k."""
-    values = [lr, wd, a, beta1, beta2, eps, 1.0 - beta1**k, (1.0 - beta2**k) ** 0.5, sign, 1.0]
+    values = [lr, wd, a, beta1, beta2, eps, 1.0 - beta1**k, (1.0 - beta2**k) ** 0.5, 1.0]
     hp = torch.tensor(values, dtype=dtype, device=device)
     if divisor is not None:  # the global clip's clamped norm, already on the device
         hp[DIVISOR] = divisor.to(dtype)
@@ -100,8 +99,7 @@ def _hp(cache, group, p, k, kind, divisor):
             (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
             a, div = group["gamma"] * b1 / (1.0 - b1), divisor
         dtype = torch.promote_types(p.dtype, torch.float32)
-        cache[key] = hyperparameters(p.device, dtype, lr, wd, a, b1, b2, group["eps"], k,
-                                     -1.0 if group["maximize"] else 1.0, div)
+        cache[key] = hyperparameters(p.device, dtype, lr, wd, a, b1, b2, group["eps"], k, div)
     return cache[key]
 
 
