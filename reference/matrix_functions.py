@@ -18,7 +18,7 @@ def newton_schulz(M, steps=5, eps=1e-7, coefficients=NS_COEFFICIENTS):
     r"""Quintic Newton-Schulz orthogonalization (M13).
 
     X_0 = M / (||M||_F + eps), transposed when A > B so that X X^T is the small Gram matrix;
-    then ``steps`` times:  Q = X X^T,  R = Q X,  X <- a X + b R + c Q R;  transposed back.
+    then ``steps`` times:  Q = X X^T,  X <- a X + (b Q + c Q^2) X;  transposed back.
     Each step maps every singular value s of X to a s + b s^3 + c s^5 and keeps the vectors.
     """
     a, b, c = coefficients
@@ -29,8 +29,7 @@ def newton_schulz(M, steps=5, eps=1e-7, coefficients=NS_COEFFICIENTS):
         X = X.T
     for _ in range(steps):
         Q = X @ X.T
-        R = Q @ X
-        X = a * X + b * R + c * (Q @ R)
+        X = a * X + (b * Q + c * (Q @ Q)) @ X
     return X.T if tall else X
 
 

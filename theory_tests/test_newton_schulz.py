@@ -282,15 +282,16 @@ def _bf16(x):
 
 def ns_bf16_emulated(M, steps=5, eps=1e-7):
     """The reference iteration with every intermediate rounded to bfloat16, as the torch port
-    rounds them (normalise in float64, round once; each product and sum rounded)."""
+    rounds them (normalise in float64, round once; each addmm accumulates in float32 and
+    rounds its result once: B = bQ + cQ^2, then X = aX + BX)."""
     a, b, c = NS_COEFFICIENTS
     X = _bf16(M / (np.linalg.norm(M) + eps))
     tall = M.shape[0] > M.shape[1]
     X = X.T if tall else X
     for _ in range(steps):
         Q = _bf16(X @ X.T)
-        R = _bf16(Q @ X)
-        X = _bf16(_bf16(_bf16(a * X) + _bf16(b * R)) + _bf16(c * _bf16(Q @ R)))
+        B = _bf16(b * Q + c * (Q @ Q))
+        X = _bf16(a * X + B @ X)
     return X.T if tall else X
 
 

@@ -5,6 +5,8 @@ parameters can share one batched call.
 """
 import torch
 
+from .sharding import is_dtensor, on_full_matrix
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
@@ -13,23 +15,26 @@ def newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_CO
 
     .. math::
         X_0 = \frac{M}{\|M\|_F + \epsilon},\qquad
-        Q = X X^\top,\ R = Q X,\ X \leftarrow aX + bR + cQR \quad(\text{``steps`` times}),
+        Q = X X^\top,\quad X \leftarrow aX + (bQ + cQ^2)X \quad(\text{``steps`` times}),
 
     computed in ``dtype`` (``bfloat16`` as the official code; ``float32``/``float64`` for
     accuracy), on the wide orientation (transposed when A > B), returned in M's dtype.
     The normalisation happens in M's dtype and is rounded to ``dtype`` once (the official code
     rounds M first, then divides: the two differ by one rounding of ``dtype``).
+    A sharded M (DTensor, e.g. under FSDP2) is orthogonalised as a whole matrix.
     """
+    if is_dtensor(M):
+        return on_full_matrix(newton_schulz, M, steps, eps, dtype, coefficients)
     a, b, c = coefficients
     norm = torch.linalg.matrix_norm(M, keepdim=True)
     X = (M / (norm + eps)).to(dtype)
     tall = M.size(-2) > M.size(-1)
     if tall:
         X = X.mT
-    for _ in range(steps):
+    mm = torch.addmm if X.dim() == 2 else torch.baddbmm
+    for _ in range(steps):  # b Q X + c Q^2 X = (b Q + c Q^2) X: two products with X, not three
         Q = X @ X.mT
-        R = Q @ X
-        X = a * X + b * R + c * (Q @ R)
+        X = mm(X, mm(Q, Q, Q, beta=b, alpha=c), X, beta=a)
     if tall:
         X = X.mT
     return X.to(M.dtype)
@@ -39,7 +44,10 @@ def orthogonalize_svd(M):
     r"""Polar factor :math:`U\,\mathrm{diag}(1[s_i > \tau])\,V^\top` of :math:`M = U\,\mathrm{diag}(s)\,V^\top`
     (M11), with the matrix-rank tolerance :math:`\tau = \max(s)\max(A,B)\,\epsilon_{dtype}`;
     zero maps to zero.  No host synchronisation: the rank test is a mask, not a branch.
+    A sharded M (DTensor, e.g. under FSDP2) is orthogonalised as a whole matrix.
     """
+    if is_dtensor(M):
+        return on_full_matrix(orthogonalize_svd, M)
     if M.numel() == 0:  # an empty matrix is its own polar factor (and has no max singular value)
         return M.clone()
     U, s, Vh = torch.linalg.svd(M, full_matrices=False)
