@@ -70,6 +70,24 @@ def test_compiled_equals_single_tensor_float32_cuda():
     _assert_close_runs(*_run_pair(kw, dtype=torch.float32, device="cuda"), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device present")
+@pytest.mark.parametrize("clip_scope", ["tensor", "global"])
+def test_compiled_step_never_synchronises_on_cuda(clip_scope):
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES, 5, torch.float32)]
+    opt = MARS(params, compiled=True, clip_scope=clip_scope, weight_decay=0.1)
+    feed(opt, params, _grads(0, torch.float32, "cuda"))  # compile outside the checked region
+    grads = _grads(1, torch.float32, "cuda")
+    for p, g in zip(params, grads):
+        p.grad = g
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_compiled_never_recompiles_after_the_first_step():
     params = make_params([(8, 4), (16, 3), (5,), (2, 3, 4)], seed=1, dtype=torch.float32)
     opt = MARS(params, compiled=True, weight_decay=0.1)

@@ -80,7 +80,11 @@ def compiled(fn):
 def hyperparameters(device, dtype, lr, wd, a, beta1, beta2, eps, k, divisor=None):
     """The ``hp`` vector for one group, device and step count k."""
     values = [lr, wd, a, beta1, beta2, eps, 1.0 - beta1**k, (1.0 - beta2**k) ** 0.5, 1.0]
-    hp = torch.tensor(values, dtype=dtype, device=device)
+    hp = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":  # a pageable host-to-device copy would synchronise the stream
+        hp = hp.pin_memory().to(device, non_blocking=True)
+    else:
+        hp = hp.to(device)
     if divisor is not None:  # the global clip's clamped norm, already on the device
         hp[DIVISOR] = divisor.to(dtype)
     return hp
