@@ -1,6 +1,6 @@
 """MKOR's O(d^2) factor update against K-FAC's O(d^3) factor inverse, timed over layer width d.
 
-    python -m figures.bench_factor_update [--sizes 256 512 1024 2048] [--repeats 7] [--device cpu]
+    python -m figures.bench_factor_update [--sizes 256 512 1024 2048 4096] [--repeats 7] [--device cpu]
 
 For each d it times, on one SPD d x d factor:
 
@@ -77,7 +77,7 @@ def slope(sizes, seconds):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)

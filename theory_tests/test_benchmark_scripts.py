@@ -1,0 +1,24 @@
+"""The benchmark scripts run (tiny sizes), so they cannot rot between releases.  Timings are
+never asserted here: benchmarks are scripts, and these machines are too noisy for timed tests."""
+import json
+
+import torch
+
+from figures import bench, bench_factor_update
+
+
+def test_factor_update_benchmark_runs_and_reports_slopes(capsys):
+    bench_factor_update.main(["--sizes", "32", "64", "--repeats", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["slopes"]) == {"mkor_paper", "mkor_released", "kfac_inverse", "kfac_eigh"}
+
+
+def test_memory_benchmark_counts_three_buffers_for_mars_two_for_adamw():
+    report = bench.bench_memory(torch.device("cpu"))
+    # fp32: AdamW keeps m, v (8 B/param); MARS-AdamW adds g_prev on matrices (< 12 B/param
+    # overall, since 1-D tensors take the AdamW fallback without g_prev)
+    assert report["AdamW loop"]["state_bytes_per_param"] == 8.0
+    assert 8.0 < report["MARS-AdamW loop"]["state_bytes_per_param"] <= 12.0
+    # one denominator at a time, plus 0-d scalars (the clip norm and its clamp): a few bytes
+    # over the largest parameter (1.6 MB here), i.e. below 1 + 1e-4
+    assert report["MARS-AdamW loop"]["peak_temporary_over_largest_param"] <= 1.0 + 1e-4
