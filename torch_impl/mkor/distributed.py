@@ -1,17 +1,50 @@
-r"""Averaging MKOR's rank-1 vectors across data-parallel ranks (spec MKOR.md 2.7).
+r"""Averaging MKOR's rank-1 vectors (and K-FAC's factors) over data-parallel ranks
+(spec MKOR.md 2.7).
 
-Only the vectors travel: every rank repeats the same Sherman-Morrison updates on
-replicated factors, so the traffic per factor update is
-sum_m (d_in' + d_out) values, O(d). All vectors go in one contiguous buffer and one
-``all_reduce(SUM)`` (``ReduceOp.AVG`` is NCCL-only), then are divided *once* by the
-number of ranks that captured each layer. ``average="double"`` reproduces the
-released code's extra division by the world size (a bug: it scales the rank-1 term
-by 1/P^2), for differential tests only.
+**What is sent.** On a factor-update step every rank packs, for each preconditioned layer
+m in discovery order, :math:`\bar a_m` (d_in' values) then :math:`\bar g_m` (d_out values)
+into one flat buffer and calls ``all_reduce(SUM)`` on it once. The buffer holds
+
+.. math::
+    \textstyle\sum_m (d'_{in,m} + d_{out,m}) \;+\; \#\{m : m \text{ has no bias}\}
+
+values. The second term is a presence count for each bias-free layer (1 if this rank
+captured the layer this step, else 0). A layer with a bias needs no extra value: the last
+entry of :math:`\bar a` is the mean of the bias column's constant input, 1 by definition,
+so the sender writes exactly 1 there (0 when it has nothing) and after the SUM that entry
+*is* the number of ranks that captured the layer. Each layer is then divided **once** by
+its count: the mean over the ranks that captured it (every rank, in ordinary DDP
+training). ``ReduceOp.AVG`` is not used: gloo lacks it, and it would divide by P even for a
+layer some ranks did not capture. ``average="double"`` divides by P once more, reproducing
+the released code's bug (the rank-1 term scaled by 1/P^2), for differential tests only.
+
+**Volume.** ``Packet.nbytes`` = values x itemsize per rank per factor update: O(d) per
+layer. (A ring all-reduce puts 2(P-1)/P of that on each rank's link.) K-FAC's factor
+all-reduce, packed the same way, holds sum_m (d_in'^2 + d_out^2) (+ counts): O(d^2).
+
+**Reduced precision** (``comm_dtype`` float16 / bfloat16, unit roundoff u = 2^-11 / 2^-8).
+Each rank's values are rounded once to the wire dtype and the backend sums the P terms in
+that dtype, so with :math:`\gamma_P = Pu/(1-Pu)`
+
+.. math::
+    |\widehat{\text{mean}} - \text{mean}| \le \gamma_P \cdot \tfrac1P \textstyle\sum_r |v_r|
+    \;(+\,2^{-24} \text{ for float16 values in its subnormal range}),
+
+and a value beyond float16's range (65504) becomes inf, after which MKOR skips that
+factor update (counted in ``counters()["skipped"]``); bfloat16 has float32's range. The
+counts are exact integers only up to 2^11 (float16) / 2^8 (bfloat16) ranks; more ranks
+raise ``ValueError``.
 """
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "average_vectors"]
+from .capture import Capture
+
+__all__ = ["world_size", "Packet", "Reduction", "VectorExchange", "OverlapCapture",
+           "mean_over_ranks"]
+
+_EXACT_COUNTS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8,
+                 torch.float32: 2 ** 24, torch.float64: 2 ** 53}
 
 
 def world_size(group=None):
@@ -21,34 +54,206 @@ def world_size(group=None):
     return 1
 
 
-def average_vectors(vectors, present, *, average="once", comm_dtype=None, group=None):
-    r"""Average per-layer vectors over ranks with one all-reduce.
+class Packet:
+    r"""Layout of one averaging all-reduce: items (layers) of tensors, one flat buffer.
 
     Args:
-        vectors: 1-D tensors (zeros for a layer this rank did not capture).
-        present: one 0-d tensor per vector, 1 if this rank captured it, else 0.
-        average: "once" (mean over the ranks that captured) or "double" (that mean
-            divided by the world size again, the released code's behaviour).
-        comm_dtype: dtype of the buffer on the wire (default: the vectors' dtype).
-
-    Returns:
-        (averaged vectors in their original dtypes, per-vector capture counts).
+        shapes: per item, the shapes of its tensors, in order.
+        carried: per item, whether the *last entry of its first tensor* is 1 on every rank
+            holding the item (then it carries the count); otherwise a count value is
+            appended after all the items.
+        dtype: the buffer's (wire) dtype.
     """
-    if not vectors:
-        return [], []
-    device = vectors[0].device
-    dtype = comm_dtype or vectors[0].dtype
-    sizes = [v.numel() for v in vectors]
-    buffer = torch.cat([v.to(device=device, dtype=dtype) for v in vectors]
-                       + [torch.stack([p.to(device=device, dtype=dtype) for p in present])])
-    if world_size(group) > 1:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-    pieces = torch.split(buffer, sizes + [len(vectors)])
-    counts = pieces[-1]
-    out = []
-    for v, piece, count in zip(vectors, pieces[:-1], counts):
-        mean = piece.to(v.dtype) / count.to(v.dtype).clamp(min=1)
-        if average == "double":
-            mean = mean / world_size(group)
-        out.append(mean.to(v.device))
-    return out, list(counts)
+
+    def __init__(self, shapes, carried, dtype):
+        self.shapes = [[torch.Size(s) for s in item] for item in shapes]
+        self.carried = [bool(c) for c in carried]
+        self.dtype = dtype
+        self._sizes = [[s.numel() for s in item] for item in self.shapes]
+        self._starts, self._count_at, offset = [], [], 0
+        for sizes in self._sizes:
+            self._starts.append(offset)
+            offset += sum(sizes)
+        for start, sizes, carried_here in zip(self._starts, self._sizes, self.carried):
+            if carried_here:
+                if not sizes or sizes[0] == 0:
+                    raise ValueError("a carried item needs a non-empty first tensor")
+                self._count_at.append(start + sizes[0] - 1)
+            else:
+                self._count_at.append(offset)
+                offset += 1
+        self.numel = offset
+
+    @property
+    def nbytes(self):
+        """Bytes each rank contributes to the all-reduce."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def pack(self, items, device):
+        """One flat buffer from ``items`` (per item: a list of tensors, or None if this rank
+        has nothing for it). No host synchronisation: only shapes are read."""
+        pieces, counts = [], []
+        one = torch.ones(1, dtype=self.dtype, device=device)
+        zero = torch.zeros(1, dtype=self.dtype, device=device)
+        for item, sizes, carried in zip(items, self._sizes, self.carried):
+            if item is None:
+                pieces.append(torch.zeros(sum(sizes), dtype=self.dtype, device=device))
+            else:
+                flat = [t.reshape(-1).to(device=device, dtype=self.dtype) for t in item]
+                if carried:  # the entry that is 1 by definition carries the count
+                    flat[0] = torch.cat([flat[0][:-1], one])
+                pieces += flat
+            if not carried:
+                counts.append(zero if item is None else one)
+        return torch.cat(pieces + counts)
+
+    def unpack(self, buffer, out_dtype, average="once", world=1):
+        """Per item ``(tensors, count)``: the item divided by its count (the number of
+        ranks that contributed it; 0-d tensor) -- and by ``world`` again if ``average`` is
+        "double" -- in ``out_dtype``. An item nobody sent comes back as zeros, count 0."""
+        out = []
+        for start, sizes, shapes, at in zip(self._starts, self._sizes, self.shapes,
+                                            self._count_at):
+            count = buffer[at].to(out_dtype)
+            mean = buffer[start:start + sum(sizes)].to(out_dtype) / count.clamp(min=1)
+            if average == "double":
+                mean = mean / world
+            out.append(([t.reshape(s) for t, s in zip(torch.split(mean, sizes), shapes)],
+                        count))
+        return out
+
+    def all_reduce(self, items, device, group=None, async_op=False):
+        """Pack ``items`` and SUM-all-reduce the buffer (no-op on one rank); returns a
+        :class:`Reduction` to :meth:`~Reduction.wait` on."""
+        world = world_size(group)
+        if world > _EXACT_COUNTS[self.dtype]:
+            raise ValueError(f"comm_dtype {self.dtype} counts ranks exactly only up to "
+                             f"{_EXACT_COUNTS[self.dtype]}, got {world} ranks")
+        buffer = self.pack(items, device)
+        work = None
+        if world > 1:
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group,
+                                   async_op=async_op)
+        return Reduction(self, buffer, work if async_op else None, world)
+
+
+class Reduction:
+    """A launched (possibly still running) packet all-reduce."""
+
+    def __init__(self, packet, buffer, work, world):
+        self.packet, self.buffer, self.work, self.world = packet, buffer, work, world
+
+    def finish(self):
+        """Wait for the collective (a stream wait on NCCL, not a host sync)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def wait(self, out_dtype, average="once"):
+        """:meth:`finish`, then :meth:`Packet.unpack`."""
+        self.finish()
+        return self.packet.unpack(self.buffer, out_dtype, average, self.world)
+
+
+class VectorExchange:
+    """MKOR's communication: the packet of its layers (a_bar, g_bar per layer, bias-free
+    layers' counts), the launch (at ``step()``, or from the backward pass with
+    ``comm_overlap``) and the running byte count."""
+
+    def __init__(self, layers, model, compute_dtype, comm_dtype=None, average="once",
+                 group=None):
+        self.layers, self.model, self.group = list(layers), model, group
+        self.compute_dtype, self.average = compute_dtype, average
+        self.packet = Packet([[(l.d_in,), (l.d_out,)] for l in self.layers],
+                             [l.has_bias for l in self.layers], comm_dtype or compute_dtype)
+        self.communicated_bytes = 0
+        self._inflight = None  # (Reduction, capture commits when it was launched)
+
+    def _launch(self, pending, async_op):
+        items = [list(pending[l.name]) if l.name in pending else None for l in self.layers]
+        reduction = self.packet.all_reduce(items, self.layers[0].module.weight.device,
+                                           self.group, async_op)
+        self.communicated_bytes += self.packet.nbytes
+        return reduction
+
+    def launch_early(self, pending, commits):
+        """Start the all-reduce now (asynchronously) from the current statistics. Skipped
+        inside DDP's ``no_sync()`` (not the last micro-batch). A launch still unused from
+        an earlier backward of this step is stale: it is finished and discarded, so every
+        rank issues the same collectives in the same order."""
+        if not self.layers or world_size(self.group) == 1:
+            return
+        if getattr(self.model, "require_backward_grad_sync", True) is False:
+            return
+        self.drop()
+        self._inflight = (self._launch(pending, async_op=True), commits)
+
+    def exchange(self, pending, commits=None):
+        """[(layer, a_bar, g_bar, present)] averaged over the ranks that captured each
+        layer; uses the early launch if no statistic was committed after it."""
+        if not self.layers:
+            return []
+        reduction = None
+        if self._inflight is not None:
+            launched, at = self._inflight
+            self._inflight = None
+            if at == commits:
+                reduction = launched
+            else:
+                launched.finish()
+        if reduction is None:
+            reduction = self._launch(pending, async_op=False)
+        results = reduction.wait(self.compute_dtype, self.average)
+        out = []
+        for layer, ((a_bar, g_bar), count) in zip(self.layers, results):
+            dev = layer.module.weight.device
+            out.append((layer, a_bar.to(dev), g_bar.to(dev), count.to(dev) > 0))
+        return out
+
+    def drop(self):
+        """Finish and forget an unused early launch (``zero_grad`` without a step)."""
+        if self._inflight is not None:
+            self._inflight[0].finish()
+            self._inflight = None
+
+
+def mean_over_ranks(value, device, group=None):
+    """The mean of a Python float over the ranks (one scalar all-reduce; the caller has
+    already synchronised to produce the float). Identical on every rank."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.item() / world_size(group)
+
+
+class OverlapCapture(Capture):
+    """:class:`~.capture.Capture` that calls ``on_backward_done()`` whenever the last
+    outstanding forward of the hooked layers has received its gradient statistic, i.e.
+    when a backward pass has reached every captured layer. MKOR launches its vector
+    all-reduce there (``comm_overlap=True``), so the reduction runs during the rest of the
+    backward pass (the first layer's weight gradient, DDP's last bucket all-reduce) and
+    whatever the caller does before ``step()``. ``commits`` counts committed statistics, so
+    a launch that later statistics made stale can be recognised."""
+
+    def __init__(self, *args, on_backward_done, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_backward_done = on_backward_done
+        self.outstanding = 0
+        self.commits = 0
+
+    def _push_input(self, layer, x):
+        super()._push_input(layer, x)
+        self.outstanding += 1
+
+    def _pop_grad(self, layer, g):
+        before = len(self._stats[layer.name].pending)
+        super()._pop_grad(layer, g)
+        if len(self._stats[layer.name].pending) < before:
+            self.outstanding -= 1
+            self.commits += 1
+            if self.outstanding == 0:
+                self.on_backward_done()
+
+    def reset(self):
+        super().reset()
+        self.outstanding = 0
+        self.commits = 0

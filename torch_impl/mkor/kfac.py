@@ -19,10 +19,18 @@ scaled by the KL-clip \nu = \min(1, \sqrt{\kappa / |\sum_m \eta^2 \langle V_m, \
 Conv2d rows are the unfolded patches (B L rows) with N = B samples, so
 G = (1/B) \sum_{b,l} (B g_{b,l})(B g_{b,l})^T (the KFC approximation).
 This is the method MKOR replaces: it *does* call ``eigh`` / ``inv``.
+
+Distributed (the baseline MKOR's O(d) claim is measured against): on a factor-update step
+every rank all-reduces the *full* batch factors A_new and G_new of every layer in one flat
+buffer (:class:`~.distributed.Packet`, mean taken once), then applies the same EMA and
+decomposition, so :attr:`KFAC.payload_bytes` = (sum_m (d_in'^2 + d_out^2) + #bias-free
+layers) x itemsize: O(d^2) per layer. (KAISA can also send inverses or shard the work;
+this baseline replicates everything, like MKOR.)
 """
 import torch
 
 from .capture import Capture, conv_input, discover, unwrap_model
+from .distributed import Packet, world_size
 from .vectors import unfold2d
 
 __all__ = ["KFAC"]
@@ -69,11 +77,12 @@ class KFAC:
         method: "eigen" (default) or "inverse".
         skip_modules: glob patterns of module names to leave to the backbone.
         grad_hook: "module" | "tensor", as for MKOR.
+        process_group: process group for averaging the factors (default: the world).
     """
 
     def __init__(self, model, optimizer, *, inv_freq=10, factor_freq=1, damping=1e-3,
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
-                 grad_hook="module"):
+                 grad_hook="module", process_group=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer")
         for name, value in (("inv_freq", inv_freq), ("factor_freq", factor_freq)):
@@ -87,7 +96,7 @@ class KFAC:
             raise ValueError(f"kl_clip must be None or > 0, got {kl_clip!r}")
         if method not in ("eigen", "inverse"):
             raise ValueError(f"method must be 'eigen' or 'inverse', got {method!r}")
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.process_group = model, optimizer, process_group
         self.inv_freq, self.factor_freq = inv_freq, factor_freq
         self.damping, self.factor_decay, self.kl_clip, self.method = (
             damping, factor_decay, kl_clip, method)
@@ -97,6 +106,19 @@ class KFAC:
         self._capture = Capture(self._layers, self.factor_update_due, _input_stat, _grad_stat,
                                 grad_hook=grad_hook)
         self._capture.register()
+        # Factors are kept in the statistics' dtype: the weights' promoted with float32.
+        self._packet = Packet(
+            [[(l.d_in, l.d_in), (l.d_out, l.d_out)] for l in self._layers],
+            [l.has_bias for l in self._layers],  # A[-1, -1] = mean of 1 * 1 = 1
+            torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
+            if self._layers else torch.float32)
+        self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
+
+    @property
+    def payload_bytes(self):
+        """Bytes each rank all-reduces per factor update: (sum_m (d_in'^2 + d_out^2) +
+        #bias-free layers) x itemsize."""
+        return self._packet.nbytes
 
     @property
     def preconditioned_modules(self):
@@ -139,13 +161,34 @@ class KFAC:
             self.optimizer.load_state_dict(state["optimizer"])
 
     # -- the step -----------------------------------------------------------------------
-    def _update_factors(self):
+    def _batch_factors(self):
+        """[(layer, A_new, G_new)] of this step, averaged over the ranks that captured
+        each layer when distributed."""
+        new = []
         for layer in self._layers:
             stats = self._capture.stats(layer.name)
-            if stats is None:
-                continue
-            a_sum, a_count, g_sum, g_calls = stats
-            A_new, G_new = a_sum / a_count, g_sum / g_calls
+            if stats is not None:
+                a_sum, a_count, g_sum, g_calls = stats
+                new.append((layer, a_sum / a_count, g_sum / g_calls))
+        if world_size(self.process_group) == 1 or not self._layers:
+            return new
+        mine = {layer.name: [A, G] for layer, A, G in new}
+        reduction = self._packet.all_reduce([mine.get(l.name) for l in self._layers],
+                                            self._layers[0].module.weight.device,
+                                            self.process_group)
+        self.communicated_bytes += self._packet.nbytes
+        out = []
+        for layer, ((A, G), count) in zip(self._layers, reduction.wait(self._packet.dtype)):
+            # A layer no rank captured stays as it was. A rank that captured it knows the
+            # count is >= 1 without reading it; only the others read it (a host sync that
+            # ordinary DDP training, where every rank captures every layer, never makes).
+            if layer.name in mine or count > 0:
+                dev = layer.module.weight.device
+                out.append((layer, A.to(dev), G.to(dev)))
+        return out
+
+    def _update_factors(self):
+        for layer, A_new, G_new in self._batch_factors():
             s, beta = self._state[layer.name], self.factor_decay
             if "A" not in s:
                 s["A"], s["G"] = A_new, G_new

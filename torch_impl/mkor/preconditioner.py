@@ -23,7 +23,7 @@ import torch
 
 from .capture import Capture, conv_input, discover, unwrap_model
 from .config import MKOROptions
-from .distributed import average_vectors, world_size
+from .distributed import OverlapCapture, VectorExchange, mean_over_ranks, world_size
 from .factors import factor_update, needs_stabilising, precondition, rescale
 from .hybrid import LossRateSwitch
 from .vectors import conv2d_grad_sum, conv2d_input_sum, linear_grad_sum, linear_input_sum
@@ -77,7 +77,8 @@ class MKOR:
             when lambda_min(J) is below that times max|J_ij| the stored factor can lose
             definiteness. Use float32 unless memory forces otherwise.
         average: "once" | "double" (distributed vector averaging, spec 2.7).
-        comm_dtype: dtype of the all-reduce buffer (default: the compute dtype).
+        comm_dtype: dtype of the all-reduce buffer (default: the compute dtype); float16
+            / bfloat16 halve the traffic at a stated error (:mod:`.distributed`).
         warmup_steps: update factors at every step while t < warmup_steps (K2).
         grad_accum_steps: None (default) sums statistics over every backward since the
             last step: a_bar is the mean over all captured rows and g_bar the sum of the
@@ -94,6 +95,15 @@ class MKOR:
             ``switch_check_every``, ``switch_threshold``, ``switch_patience``.
         switch_step: switch to the backbone for good at step k (MKOR-H).
         process_group: process group for averaging vectors (default: the world).
+        comm_overlap: launch the vector all-reduce asynchronously as soon as a backward
+            pass has reached every captured layer, instead of in :meth:`step` (same
+            result; every rank must run the same forward/backward structure, and with
+            accumulation non-final micro-batches belong in DDP's ``no_sync()``).
+
+    Distributed (``torch.distributed`` initialised, e.g. under ``torchrun`` with DDP): on a
+    factor-update step every rank all-reduces one buffer of :attr:`payload_bytes` bytes
+    (each layer's a_bar and g_bar, :mod:`.distributed`) and repeats the same updates, so
+    the factors stay identical on every rank without sending a matrix.
 
     Every invalid hyperparameter raises ``ValueError`` naming it.
     """
@@ -105,15 +115,18 @@ class MKOR:
                  comm_dtype=None, warmup_steps=0, grad_accum_steps=None, grad_scale=1.0,
                  skip_modules=(), grad_hook="module", hybrid_switch=None,
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
-                 switch_patience=3, switch_step=None, process_group=None):
+                 switch_patience=3, switch_step=None, process_group=None,
+                 comm_overlap=False):
         options = {k: v for k, v in locals().items()
-                   if k not in ("self", "model", "optimizer", "process_group")}
+                   if k not in ("self", "model", "optimizer", "process_group", "comm_overlap")}
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
         self.options = MKOROptions(**options)
+        if not isinstance(comm_overlap, bool):
+            raise ValueError(f"comm_overlap must be a bool, got {comm_overlap!r}")
         self.model, self.optimizer, self.process_group = model, optimizer, process_group
         self._layers, self._skipped = discover(unwrap_model(model), self.options.skip_modules)
         self._steps = 0
@@ -127,10 +140,15 @@ class MKOR:
                 o.switch_patience, o.switch_step)
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
-        self._capture = Capture(self._layers, self.factor_update_due,
-                                lambda layer, x: _input_stat(layer, x.to(_stat_dtype(x))),
-                                lambda layer, g: _grad_stat(layer, g.to(_stat_dtype(g))),
-                                grad_hook=o.grad_hook)
+        self._exchange = VectorExchange(self._layers, model, o.compute_dtype, o.comm_dtype,
+                                        o.average, process_group)
+        hooks = dict(grad_hook=o.grad_hook)
+        if comm_overlap:
+            hooks["on_backward_done"] = self._launch_early
+        self._capture = (OverlapCapture if comm_overlap else Capture)(
+            self._layers, self.factor_update_due,
+            lambda layer, x: _input_stat(layer, x.to(_stat_dtype(x))),
+            lambda layer, g: _grad_stat(layer, g.to(_stat_dtype(g))), **hooks)
         self._capture.register()
 
     # -- introspection -----------------------------------------------------------------
@@ -156,6 +174,17 @@ class MKOR:
     @property
     def switch_rule(self):
         return self._rule
+
+    @property
+    def payload_bytes(self):
+        """Bytes each rank all-reduces per factor update (whether or not distributed):
+        (sum_m (d_in'+d_out) + #bias-free layers) x itemsize(comm dtype)."""
+        return self._exchange.packet.nbytes
+
+    @property
+    def communicated_bytes(self):
+        """Bytes this rank has all-reduced so far (a Python int, no sync; 0 on one rank)."""
+        return self._exchange.communicated_bytes
 
     @property
     def hooks_registered(self):
@@ -251,6 +280,7 @@ class MKOR:
     # -- MKOR-H -------------------------------------------------------------------------
     def _switch(self):
         """One-way hand-over: hooks removed, factors freed, backbone state kept."""
+        self._exchange.drop()
         self._capture.remove()
         self._state = {}
         self._switched = True
@@ -260,11 +290,17 @@ class MKOR:
     def observe_loss(self, loss):
         """Feed this step's loss to the MKOR-H rule (call once per step, before
         :meth:`step`). Pass a Python float: converting a tensor here is a host sync
-        that belongs to the caller. Returns whether MKOR has switched."""
+        that belongs to the caller. Distributed, the rule sees the mean loss over the
+        ranks (one scalar all-reduce), so every rank switches at the same step. Returns
+        whether MKOR has switched."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         if self._rule is not None and not self._switched:
-            if self._rule.observe(float(loss)):
+            loss = float(loss)
+            if world_size(self.process_group) > 1:
+                loss = mean_over_ranks(loss, self._layers[0].module.weight.device
+                                       if self._layers else "cpu", self.process_group)
+            if self._rule.observe(loss):
                 self._switch()
         return self._switched
 
@@ -272,6 +308,7 @@ class MKOR:
     def zero_grad(self, set_to_none=True):
         """``optimizer.zero_grad`` and drop statistics captured since the last step."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._exchange.drop()
         self._capture.reset()
 
     @torch.no_grad()
@@ -321,27 +358,20 @@ class MKOR:
                 out[layer.name] = (a_sum.to(cd) / a_count, g_sum.to(cd) / g_div / self._grad_scale)
         return out
 
+    def _launch_early(self):
+        """comm_overlap: a backward pass has reached every captured layer."""
+        if self.factor_update_due():
+            self._exchange.launch_early(self.pending_vectors(), self._capture.commits)
+
     def _vectors(self):
-        """(layer, a_bar, g_bar, present) for every layer to update this step."""
-        o, cd = self.options, self.options.compute_dtype
+        """(layer, a_bar, g_bar, present) for every layer to update this step. Distributed,
+        every rank sends every layer (zeros where absent) so the buffer layouts agree; a
+        layer no rank captured comes back with present = False and is left untouched."""
         pending = self.pending_vectors()
-        out = [(layer, *pending.get(layer.name, (None, None)), None) for layer in self._layers]
         if world_size(self.process_group) == 1:
-            return [item for item in out if item[1] is not None]
-        # Distributed: every rank sends every layer (zeros where absent) so the buffer
-        # layouts agree; a layer no rank captured is left untouched via `present`.
-        vecs, present = [], []
-        for layer, a_bar, g_bar, _ in out:
-            dev = layer.module.weight.device
-            have = a_bar is not None
-            vecs += [a_bar if have else torch.zeros(layer.d_in, dtype=cd, device=dev),
-                     g_bar if have else torch.zeros(layer.d_out, dtype=cd, device=dev)]
-            flag = torch.full((), float(have), dtype=cd, device=dev)
-            present += [flag, flag]
-        vecs, counts = average_vectors(vecs, present, average=o.average,
-                                       comm_dtype=o.comm_dtype, group=self.process_group)
-        return [(layer, vecs[2 * i], vecs[2 * i + 1], counts[2 * i] > 0)
-                for i, (layer, *_) in enumerate(out)]
+            return [(layer, *pending[layer.name], None) for layer in self._layers
+                    if layer.name in pending]
+        return self._exchange.exchange(pending, getattr(self._capture, "commits", None))
 
     def _update_factors(self):
         o, cd = self.options, self.options.compute_dtype
