@@ -24,7 +24,7 @@ import torch
 from .capture import Capture, conv_input, discover, unwrap_model
 from .config import MKOROptions
 from .distributed import OverlapCapture, VectorExchange, mean_over_ranks, world_size
-from .factors import factor_update, needs_stabilising, precondition, rescale
+from .layer_state import initial_layer_state, precondition_layer, update_layer_factors
 from .hybrid import LossRateSwitch
 from .vectors import conv2d_grad_sum, conv2d_input_sum, linear_grad_sum, linear_input_sum
 
@@ -226,15 +226,7 @@ class MKOR:
 
     # -- state --------------------------------------------------------------------------
     def _initial_state(self, layer):
-        w = layer.module.weight
-        dtype, dev = self.options.factor_dtype, w.device
-        zero = torch.zeros((), dtype=torch.int64, device=dev)
-        false = torch.zeros((), dtype=torch.bool, device=dev)
-        return {"L_inv": torch.eye(layer.d_out, dtype=dtype, device=dev),
-                "R_inv": torch.eye(layer.d_in, dtype=dtype, device=dev),
-                "updates_a": zero.clone(), "updates_g": zero.clone(),
-                "reset_a": false.clone(), "reset_g": false.clone(),
-                "skipped": zero.clone(), "fired": zero.clone()}
+        return initial_layer_state(layer, self.options.factor_dtype)
 
     def set_grad_scale(self, scale):
         """Set the AMP loss scale that g_bar is divided by (a float or a 0-d tensor)."""
@@ -374,62 +366,8 @@ class MKOR:
         return self._exchange.exchange(pending, getattr(self._capture, "commits", None))
 
     def _update_factors(self):
-        o, cd = self.options, self.options.compute_dtype
-        deferred = o.stabilizer_timing == "deferred"
-        coupled = o.stabilizer_coupling == "coupled"
-        common = dict(variant=o.variant, gamma=o.stat_decay, zeta=o.zeta,
-                      threshold=o.threshold, norm=o.stabilizer_norm,
-                      stabilizer_timing=o.stabilizer_timing,
-                      stabilizer_reset=o.stabilizer_reset, first_update=o.first_update)
         for layer, a_bar, g_bar, present in self._vectors():
-            s = self._state[layer.name]
-            R, L = s["R_inv"].to(cd), s["L_inv"].to(cd)
-            if deferred:
-                flag_a, flag_g = s["reset_a"], s["reset_g"]
-            elif coupled:  # both factors tested before either is touched
-                flag_a = flag_g = (needs_stabilising(R, o.threshold)
-                                   | needs_stabilising(L, o.threshold))
-            else:
-                flag_a = flag_g = False
-            R_new, fired_a = factor_update(R, a_bar, first=s["updates_a"] == 0,
-                                           reset_flag=flag_a, **common)
-            L_new, fired_g = factor_update(L, g_bar, first=s["updates_g"] == 0,
-                                           reset_flag=flag_g, **common)
-            # Non-finite statistics (or an overflowing update) never enter a factor.
-            ok_a = torch.isfinite(a_bar).all() & torch.isfinite(R_new).all()
-            ok_g = torch.isfinite(g_bar).all() & torch.isfinite(L_new).all()
-            if present is not None:
-                s["skipped"] = (s["skipped"] + (present & ~ok_a).long()
-                                + (present & ~ok_g).long())
-                ok_a, ok_g = ok_a & present, ok_g & present
-            else:
-                s["skipped"] = s["skipped"] + (~ok_a).long() + (~ok_g).long()
-            s["R_inv"] = torch.where(ok_a, R_new, R).to(o.factor_dtype)
-            s["L_inv"] = torch.where(ok_g, L_new, L).to(o.factor_dtype)
-            s["updates_a"] = s["updates_a"] + ok_a.long()
-            s["updates_g"] = s["updates_g"] + ok_g.long()
-            s["fired"] = s["fired"] + (ok_a & fired_a).long() + (ok_g & fired_g).long()
-            if deferred:  # a skipped factor keeps its pending flag
-                fa = torch.where(ok_a, fired_a, s["reset_a"])
-                fg = torch.where(ok_g, fired_g, s["reset_g"])
-                either = fa | fg
-                s["reset_a"], s["reset_g"] = (either, either) if coupled else (fa, fg)
+            update_layer_factors(self._state[layer.name], a_bar, g_bar, present, self.options)
 
     def _precondition_layer(self, layer):
-        weight, bias = layer.module.weight, layer.module.bias
-        if weight.grad is None:
-            return
-        if weight.grad.is_sparse:
-            raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
-        s = self._state[layer.name]
-        cd = torch.promote_types(weight.grad.dtype, self.options.compute_dtype)
-        grad_W = weight.grad.to(cd)
-        grad_b = None
-        if layer.has_bias:  # a frozen or unused bias still owns a column of R
-            grad_b = (bias.grad.to(cd) if bias.grad is not None
-                      else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
-        delta_W, delta_b = precondition(s["L_inv"].to(cd), s["R_inv"].to(cd), grad_W, grad_b)
-        delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, self.options.rescale)
-        weight.grad.copy_(delta_W)
-        if layer.has_bias and bias.grad is not None:
-            bias.grad.copy_(delta_b)
+        precondition_layer(layer, self._state[layer.name], self.options)

@@ -1,0 +1,87 @@
+"""One preconditioned layer's state and its two operations (K2-K14), kept apart from the
+hooks and the schedule in :mod:`.preconditioner`.
+
+State per layer: the inverse factors ``L_inv`` (d_out x d_out) and ``R_inv`` (d_in' x d_in'),
+0-d counters ``updates_a``/``updates_g`` (accepted updates), ``skipped`` (non-finite updates
+refused), ``fired`` (stabiliser actions) and the deferred reset flags ``reset_a``/``reset_g``.
+Every decision is a ``torch.where`` on 0-d tensors: nothing here synchronises with the device.
+"""
+import torch
+
+from .factors import factor_update, needs_stabilising, precondition, rescale
+
+__all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer"]
+
+
+def initial_layer_state(layer, factor_dtype):
+    """Identity factors and zero counters on the layer's device."""
+    dev = layer.module.weight.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    false = torch.zeros((), dtype=torch.bool, device=dev)
+    return {"L_inv": torch.eye(layer.d_out, dtype=factor_dtype, device=dev),
+            "R_inv": torch.eye(layer.d_in, dtype=factor_dtype, device=dev),
+            "updates_a": zero.clone(), "updates_g": zero.clone(),
+            "reset_a": false.clone(), "reset_g": false.clone(),
+            "skipped": zero.clone(), "fired": zero.clone()}
+
+
+def update_layer_factors(s, a_bar, g_bar, present, o):
+    """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) with the options ``o`` (K8-K12);
+    a non-finite vector or result is refused and counted.  ``present``: None on one process,
+    else a 0-d bool saying whether any rank captured the layer."""
+    cd = o.compute_dtype
+    deferred = o.stabilizer_timing == "deferred"
+    coupled = o.stabilizer_coupling == "coupled"
+    common = dict(variant=o.variant, gamma=o.stat_decay, zeta=o.zeta,
+                  threshold=o.threshold, norm=o.stabilizer_norm,
+                  stabilizer_timing=o.stabilizer_timing,
+                  stabilizer_reset=o.stabilizer_reset, first_update=o.first_update)
+    R, L = s["R_inv"].to(cd), s["L_inv"].to(cd)
+    if deferred:
+        flag_a, flag_g = s["reset_a"], s["reset_g"]
+    elif coupled:  # both factors tested before either is touched
+        flag_a = flag_g = needs_stabilising(R, o.threshold) | needs_stabilising(L, o.threshold)
+    else:
+        flag_a = flag_g = False
+    R_new, fired_a = factor_update(R, a_bar, first=s["updates_a"] == 0, reset_flag=flag_a,
+                                   **common)
+    L_new, fired_g = factor_update(L, g_bar, first=s["updates_g"] == 0, reset_flag=flag_g,
+                                   **common)
+    # Non-finite statistics (or an overflowing update) never enter a factor.
+    ok_a = torch.isfinite(a_bar).all() & torch.isfinite(R_new).all()
+    ok_g = torch.isfinite(g_bar).all() & torch.isfinite(L_new).all()
+    if present is not None:
+        s["skipped"] = s["skipped"] + (present & ~ok_a).long() + (present & ~ok_g).long()
+        ok_a, ok_g = ok_a & present, ok_g & present
+    else:
+        s["skipped"] = s["skipped"] + (~ok_a).long() + (~ok_g).long()
+    s["R_inv"] = torch.where(ok_a, R_new, R).to(o.factor_dtype)
+    s["L_inv"] = torch.where(ok_g, L_new, L).to(o.factor_dtype)
+    s["updates_a"] = s["updates_a"] + ok_a.long()
+    s["updates_g"] = s["updates_g"] + ok_g.long()
+    s["fired"] = s["fired"] + (ok_a & fired_a).long() + (ok_g & fired_g).long()
+    if deferred:  # a skipped factor keeps its pending flag
+        fa = torch.where(ok_a, fired_a, s["reset_a"])
+        fg = torch.where(ok_g, fired_g, s["reset_g"])
+        either = fa | fg
+        s["reset_a"], s["reset_g"] = (either, either) if coupled else (fa, fg)
+
+
+def precondition_layer(layer, s, o):
+    """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place."""
+    weight, bias = layer.module.weight, layer.module.bias
+    if weight.grad is None:
+        return
+    if weight.grad.is_sparse:
+        raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
+    cd = torch.promote_types(weight.grad.dtype, o.compute_dtype)
+    grad_W = weight.grad.to(cd)
+    grad_b = None
+    if layer.has_bias:  # a frozen or unused bias still owns a column of R
+        grad_b = (bias.grad.to(cd) if bias.grad is not None
+                  else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
+    delta_W, delta_b = precondition(s["L_inv"].to(cd), s["R_inv"].to(cd), grad_W, grad_b)
+    delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, o.rescale)
+    weight.grad.copy_(delta_W)
+    if layer.has_bias and bias.grad is not None:
+        bias.grad.copy_(delta_b)
