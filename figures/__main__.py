@@ -1,11 +1,144 @@
-"""``python -m figures``: the project's main job.
+"""``python -m figures``: regenerate every convergence figure (PNG + CSV + JSON) and
+``summary.md``.
 
-The convergence figures are not built yet; until they are, this runs the training demo
-(``figures/demo.py``) and says so.
+Quick mode (default) runs on a CPU in about 5 minutes with the learning rates committed in
+``figures/tuned_lr.json``; ``--full`` runs the paper-quality budgets and sweeps every
+learning rate itself (writing the tuned JSON); ``--tune`` sweeps at the chosen mode's budget.
 """
+import argparse
+import importlib
+import json
+import pathlib
+import shlex
 import sys
+import time
 
-from .demo import main
+from . import common as C
 
-print("python -m figures: the convergence figures are not built yet; running the MARS demo.")
-main(sys.argv[1:])
+FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
+           "shakespeare_gpt", "cost")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m figures", description=__doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true",
+                   help="paper-quality budgets, more seeds, lr sweeps (hours on a CPU)")
+    p.add_argument("--tiny", action="store_true", help="a few steps of everything (tests)")
+    p.add_argument("--only", action="append", choices=FIGURES, metavar="NAME",
+                   help=f"build only this figure (repeatable): {', '.join(FIGURES)}")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per curve (default by mode)")
+    p.add_argument("--out", default=str(C.HERE), help="output folder (default: figures/)")
+    p.add_argument("--tune", action="store_true",
+                   help="sweep every lr at this mode's budget (implied by --full) and write "
+                        "the tuned JSON")
+    p.add_argument("--tune-curves", nargs="+", metavar="LABEL",
+                   help="with --tune: re-tune only these curve labels, keep the rest")
+    p.add_argument("--tuned-json", default=str(C.TUNED_PATH),
+                   help="tuned-lr JSON to read (and, when tuning, to write)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: these models are small, so extra "
+                        "threads mostly add overhead, and one thread is reproducible)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    mode = "tiny" if args.tiny else "full" if args.full else "quick"
+    tune = args.tune or args.full
+    tuned_path = pathlib.Path(args.tuned_json)
+    if args.device == "cpu":
+        import torch
+        torch.set_num_threads(args.threads)
+    committed = C.load_tuned(tuned_path)
+    ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=pathlib.Path(args.out),
+                    tune=tune, tuned=json.loads(json.dumps(committed)), tuned_path=tuned_path,
+                    tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
+                    progress=not args.no_progress,
+                    command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
+    how = committed.get("meta", {}).get("how", "missing: grid centres, UNTUNED")
+    lr_note = "lr swept now" if tune else f"lr from {tuned_path.name}: {how}"
+    print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
+    start = time.perf_counter()
+    for name in args.only or FIGURES:
+        t0 = time.perf_counter()
+        module = importlib.import_module(f"figures.{name}")
+        try:
+            line, _ = module.run(ctx)
+        except ModuleNotFoundError as err:  # an optional data package is missing: say so
+            line = f"BLOCKED: {err}"
+        print(f"[{name}] {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if name in ctx.swept:
+            record = dict(mode=mode, budget=getattr(module, "BUDGET", {}).get(mode),
+                          date=C.stamp(), command=ctx.command,
+                          curves=sorted(ctx.swept[name]))
+            ctx.swept[name] = (ctx.swept[name], record)
+    if ctx.swept:
+        write_tuned(ctx, committed, tuned_path)
+    write_summary(ctx.out, C.load_tuned(tuned_path), tune)
+    print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
+          f"summary in {ctx.out / 'summary.md'}")
+
+
+def write_tuned(ctx, committed, path):
+    """Merge this run's sweeps into the tuned JSON: a task swept whole replaces its entry; a
+    partial re-tune (``--tune-curves``) replaces those curves and is logged in the task's
+    ``retuned`` list. Other tasks keep their entries."""
+    tasks = {k: dict(v) for k, v in committed.get("tasks", {}).items()}
+    tasks_meta = {k: dict(v) for k, v in committed.get("tasks_meta", {}).items()}
+    for task, (sweeps, record) in ctx.swept.items():
+        if ctx.tune_labels is None or task not in tasks:
+            tasks[task], tasks_meta[task] = sweeps, record
+        else:
+            tasks[task].update(sweeps)
+            tasks_meta[task].setdefault("retuned", []).append(record)
+    modes = sorted({m["mode"] for m in tasks_meta.values()})
+    how = (f"lr sweeps at the {'/'.join(modes)} budget(s) (commands and dates per task in "
+           f"tasks_meta), grid = centre x 10^(k/2), k=-2..2 (k=-3..3 and 2 tuning seeds with "
+           f"--full), extended past an edge up to 5 times, scored by the final validation "
+           f"metric averaged over the tuning seeds (100, 101, ...: disjoint from the reported "
+           f"seeds)")
+    meta = dict(how=how, mode="/".join(modes), date=C.stamp(), versions=C.versions())
+    path.write_text(json.dumps(dict(meta=meta, tasks_meta=tasks_meta, tasks=tasks), indent=1,
+                               default=str) + "\n")
+    print(f"tuned learning rates written to {path}")
+
+
+def write_summary(out, tuned, tuned_now):
+    """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others)."""
+    out = pathlib.Path(out)
+    metas = [json.loads((out / f"{n}.json").read_text()) for n in FIGURES
+             if (out / f"{n}.json").exists()]
+    lines = ["# Figure summary", "",
+             "Regenerated by `python -m figures`; per task, the final validation metric of each "
+             "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
+             "steps it needs to reach the reference's final value (the papers' headline "
+             "metric; '—' = not reached within the budget).", "",
+             "**Learning rates.** " + ("Swept by this run." if tuned_now else
+             f"Read from `figures/tuned_lr.json`, produced by {tuned['meta']['how']} on "
+             f"{tuned['meta']['date']}." + ("" if tuned["meta"]["mode"] == "full" else
+             " This is NOT the `--full` sweep (each task's budget is in that file): treat "
+             "these as quick-budget tunings.") if tuned else
+             "UNTUNED: no tuned-lr JSON was found; every optimizer ran at its grid centre."),
+             ""]
+    for m in metas:
+        lines += [f"## {m.get('task_title', m['figure'])}", "",
+                  f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]
+        if m.get("summary"):
+            ref = m["summary"][0]["reference"]
+            lines += [f"| optimizer | lr | lr source | final {m.get('metric', 'val loss')} "
+                      f"| seeds | steps to reach {ref}'s final (fraction of {ref}'s) |",
+                      "|---|---|---|---|---|---|"]
+            for r in m["summary"]:
+                frac = "—" if r["fraction"] is None else f"{r['fraction']:.2f}"
+                lines.append(f"| {r['optimizer']} | {C.fmt_lr(r['lr'])} | {r['lr_source']} | "
+                             f"{r['final']:.4g} ± {r['sd']:.2g} | {r['seeds']} | {frac} |")
+            lines.append("")
+        lines += [f"- {n}" for n in m.get("notes", [])] + [""]
+    (out / "summary.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

