@@ -238,6 +238,13 @@ def main(argv=None):
         times = bench_mkor(args.repeats, device)
         report["mkor_train_step_seconds"] = times
         print(_table("Training step, MLP 4 x Linear(1024), batch 1024, inv_freq 10", times, "SGD"))
+        # GEMM floor: forward L, backward L (weights) + L - 1 (inputs; the data needs no
+        # gradient); MKOR adds 2 per layer (L^-1 G R^-1) on every step
+        layers = 4
+        floor = (3 * layers - 1 + 2 * layers) / (3 * layers - 1)
+        report["mkor_gemm_floor"] = floor
+        print(f"MKOR / SGD = {times['MKOR'] / times['SGD']:.2f}; the GEMM-count floor of this "
+              f"model is {floor:.3f} ({5 * layers - 1} equal GEMMs against {3 * layers - 1})")
     if args.only in (None, "memory"):
         report["memory"] = bench_memory(device)
         print("\n| optimizer | state bytes / param | peak step temporaries / param "
