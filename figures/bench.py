@@ -106,7 +106,6 @@ def _compiled_adamw(params, **kw):
 
 def bench_mars(repeats, device):
     wd = 0.1
-    cpu = device.type == "cpu"
     steps = {
         "AdamW loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=wd, foreach=False),
         "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=wd, foreach=True),

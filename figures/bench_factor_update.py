@@ -18,11 +18,10 @@ comparable within one run, the ratios and slopes are the result.
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 
+from figures.bench import interleaved
 from torch_impl.mkor.factors import factor_update
 
 
@@ -30,11 +29,6 @@ def _spd(d, device, dtype):
     g = torch.Generator().manual_seed(d)
     X = torch.randn(d, d, generator=g, dtype=dtype) / d**0.5
     return (X @ X.T + 0.5 * torch.eye(d, dtype=dtype)).to(device)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def methods(d, device, dtype=torch.float32):
@@ -51,21 +45,8 @@ def methods(d, device, dtype=torch.float32):
 
 
 def time_sizes(sizes, repeats, device):
-    table = {}
-    for d in sizes:
-        fns = methods(d, device)
-        for fn in fns.values():  # warm-up: allocator, kernels, BLAS threads
-            fn()
-        times = {name: [] for name in fns}
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                _sync(device)
-                start = time.perf_counter()
-                fn()
-                _sync(device)
-                times[name].append(time.perf_counter() - start)
-        table[d] = {name: statistics.median(ts) for name, ts in times.items()}
-    return table
+    """{d: {method: median seconds}}, the methods interleaved within each size."""
+    return {d: interleaved(methods(d, device), repeats, device, warmup=1) for d in sizes}
 
 
 def slope(sizes, seconds):

@@ -6,8 +6,6 @@ least-squares slopes -- timed by :mod:`figures.bench_factor_update` (reused, not
 Timings are medians over interleaved repeats; absolute numbers are only comparable within one
 run (shared CPUs are noisy), the ratios and slopes are the result.
 """
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -15,6 +13,7 @@ import torch
 from torch_impl import MARS
 
 from . import bench_factor_update as bench
+from .bench import interleaved
 from . import common as C
 
 NAME = "cost"
@@ -41,16 +40,9 @@ def step_times(side, repeats, device):
         p = torch.nn.Parameter(torch.randn(side, side, generator=g).to(device))
         p.grad = torch.randn(side, side, generator=g).to(device)
         opts[name] = make([p])
-        opts[name].step()  # warm-up, state allocation
-    times = {name: [] for name in opts}
-    for _ in range(repeats):
-        for name, opt in opts.items():
-            bench._sync(torch.device(device))
-            start = time.perf_counter()
-            opt.step()
-            bench._sync(torch.device(device))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    # the first (warm-up) step allocates the state
+    return interleaved({name: opt.step for name, opt in opts.items()}, repeats,
+                       torch.device(device), warmup=1)
 
 
 def run(ctx):
