@@ -163,6 +163,8 @@ def bench_mkor(repeats, device, width=1024, batch=1024):
     contenders = {
         "SGD": trainer(lambda m, o: o),
         "MKOR": trainer(lambda m, o: MKOR(m, o, inv_freq=10)),
+        "MKOR bf16 GEMMs": trainer(lambda m, o: MKOR(m, o, inv_freq=10,
+                                                      precondition_dtype=torch.bfloat16)),
         "KFAC": trainer(lambda m, o: KFAC(m, o, inv_freq=10, factor_freq=10)),
     }
     tenfold = {n: (lambda fn=fn: [fn() for _ in range(10)]) for n, fn in contenders.items()}

@@ -84,6 +84,7 @@ class MKOROptions:
     factor_dtype: object = None
     average: str = None
     comm_dtype: object = None
+    precondition_dtype: object = None
     warmup_steps: int = 0
     grad_accum_steps: int = None
     grad_scale: float = 1.0
@@ -108,6 +109,8 @@ class MKOROptions:
         self.factor_dtype = _dtype("factor_dtype", self.factor_dtype)
         if self.comm_dtype is not None:
             self.comm_dtype = _dtype("comm_dtype", self.comm_dtype)
+        if self.precondition_dtype is not None:
+            self.precondition_dtype = _dtype("precondition_dtype", self.precondition_dtype)
         if not (_is_int(self.inv_freq) and self.inv_freq >= 1):
             raise ValueError(f"inv_freq must be an int >= 1, got {self.inv_freq!r}")
         if not (_is_real(self.stat_decay) and 0 < self.stat_decay < 1):

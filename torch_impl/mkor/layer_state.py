@@ -80,7 +80,12 @@ def precondition_layer(layer, s, o):
     if layer.has_bias:  # a frozen or unused bias still owns a column of R
         grad_b = (bias.grad.to(cd) if bias.grad is not None
                   else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
-    delta_W, delta_b = precondition(s["L_inv"].to(cd), s["R_inv"].to(cd), grad_W, grad_b)
+    pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
+    delta_W, delta_b = precondition(s["L_inv"].to(pd), s["R_inv"].to(pd), grad_W.to(pd),
+                                    None if grad_b is None else grad_b.to(pd))
+    if pd != cd:
+        delta_W = delta_W.to(cd)
+        delta_b = None if delta_b is None else delta_b.to(cd)
     delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, o.rescale)
     weight.grad.copy_(delta_W)
     if layer.has_bias and bias.grad is not None:

@@ -79,6 +79,11 @@ class MKOR:
         average: "once" | "double" (distributed vector averaging, spec 2.7).
         comm_dtype: dtype of the all-reduce buffer (default: the compute dtype); float16
             / bfloat16 halve the traffic at a stated error (:mod:`.distributed`).
+        precondition_dtype: dtype of the two preconditioning GEMMs L^-1 G R^-1 (default: the
+            compute dtype). ``torch.bfloat16`` rounds factors and gradient to 8 bits of
+            mantissa (relative error ~2^-8 per entry of Delta before the norm-preserving
+            rescale, which runs in the compute dtype) and makes the GEMMs several times faster
+            where the hardware has bf16 matrix units (4.2x on this project's AVX512-BF16 CPU).
         warmup_steps: update factors at every step while t < warmup_steps (K2).
         grad_accum_steps: None (default) sums statistics over every backward since the
             last step: a_bar is the mean over all captured rows and g_bar the sum of the
@@ -112,7 +117,8 @@ class MKOR:
                  zeta=0.9, threshold=2.0, stabilizer_norm="max_entry",
                  stabilizer_timing=None, stabilizer_reset=None, stabilizer_coupling=None,
                  first_update=None, rescale=None, factor_dtype=None, average=None,
-                 comm_dtype=None, warmup_steps=0, grad_accum_steps=None, grad_scale=1.0,
+                 comm_dtype=None, precondition_dtype=None, warmup_steps=0,
+                 grad_accum_steps=None, grad_scale=1.0,
                  skip_modules=(), grad_hook="module", hybrid_switch=None,
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, process_group=None,
