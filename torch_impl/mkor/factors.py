@@ -85,8 +85,12 @@ def rank1_inverse_update(J, v, *, variant="paper", gamma=0.95):
 
 
 def max_entry_norm(J):
-    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, one O(d^2) pass."""
-    return torch.linalg.vector_norm(J, ord=float("inf"))
+    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, one O(d^2) pass.
+
+    As max(-min J, max J) from one ``aminmax`` pass: ``vector_norm(ord=inf)`` measured ~18x
+    slower on CPU (d = 2048), and ``abs().amax()`` writes a temporary.  NaN propagates."""
+    low, high = torch.aminmax(J)
+    return torch.maximum(-low, high)
 
 
 def needs_stabilising(J, threshold=RELEASED_THRESHOLD, norm="max_entry"):
