@@ -22,11 +22,11 @@ def _grads(step, dtype, device):
     return [torch.randn(s, generator=gen, dtype=dtype).mul_(0.7).to(device) for s in SHAPES]
 
 
-def _run_pair(kw, steps=6, dtype=torch.float64, device="cpu"):
+def _run_pair(kw, steps=6, dtype=torch.float64, device="cpu", mode=True):
     base = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(SHAPES, 4, dtype)]
     a, b = base, clone_params(base)
     opt_a = MARS(a, foreach=False, **kw)
-    opt_b = MARS(b, compiled=True, **kw)
+    opt_b = MARS(b, compiled=mode, **kw)
     for t in range(steps):
         grads = _grads(t, dtype, device)
         feed(opt_a, a, grads)
@@ -44,10 +44,23 @@ def _assert_close_runs(run_a, run_b, rtol, atol):
 
 # float64: Inductor may reassociate the elementwise arithmetic (e.g. fold lr / bc1 before the
 # division), a few ulps per step; over 6 steps of O(1) quantities 1e-13 relative is ample.
+@pytest.mark.parametrize("mode", [True, "group"])
 @pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
-def test_compiled_equals_single_tensor_float64(mars_type):
+def test_compiled_equals_single_tensor_float64(mars_type, mode):
     kw = dict(lr=1e-2, weight_decay=0.1, gamma=0.3, mars_type=mars_type)
-    _assert_close_runs(*_run_pair(kw), rtol=1e-13, atol=1e-15)
+    _assert_close_runs(*_run_pair(kw, mode=mode), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(clip_scope="global"), dict(amsgrad=True)], ids=["global", "amsgrad"])
+def test_group_compiled_equals_single_tensor_with_options(kw):
+    _assert_close_runs(*_run_pair(dict(lr=1e-2, gamma=0.3, **kw), mode="group"),
+                       rtol=1e-13, atol=1e-15)
+
+
+def test_compiled_mode_is_validated():
+    with pytest.raises(ValueError, match="compiled"):
+        MARS(make_params([(2, 2)]), compiled="fused")
 
 
 @pytest.mark.slow
@@ -88,9 +101,10 @@ def test_compiled_step_never_synchronises_on_cuda(clip_scope):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_compiled_never_recompiles_after_the_first_step():
+@pytest.mark.parametrize("mode", [True, "group"])
+def test_compiled_never_recompiles_after_the_first_step(mode):
     params = make_params([(8, 4), (16, 3), (5,), (2, 3, 4)], seed=1, dtype=torch.float32)
-    opt = MARS(params, compiled=True, weight_decay=0.1)
+    opt = MARS(params, compiled=mode, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     feed(opt, params, [torch.randn(p.shape) for p in params])  # compiles here
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -122,32 +122,61 @@ def _flat(*tensors):
     return flat
 
 
+def _over_lists(kernel):
+    """``kernel`` applied to every row of column lists, as one function (compiled once per
+    group in ``compiled="group"`` mode: one call and one guard check for the whole group)."""
+    def run(columns, hp, *flags):
+        return [kernel(*row, hp, *flags) for row in zip(*columns)]
+    run.__name__ = f"{kernel.__name__}_over_lists"
+    return run
+
+
+_listed = {}
+
+
+def _run(calls, grouped):
+    """Execute ``(kernel, tensors, hp, flags)`` calls one by one (``compiled="tensor"``) or
+    batched by (kernel, hp, flags) into one compiled call each (``compiled="group"``)."""
+    if not grouped:
+        return [compiled(kernel)(*tensors, hp, *flags) for kernel, tensors, hp, flags in calls]
+    batches = {}
+    for kernel, tensors, hp, flags in calls:
+        batches.setdefault((kernel, id(hp), flags), (hp, []))[1].append(tensors)
+    out = []
+    for (kernel, _, flags), (hp, rows) in batches.items():
+        if kernel not in _listed:
+            _listed[kernel] = torch.compile(_over_lists(kernel), dynamic=True, fullgraph=True)
+        out += _listed[kernel]([list(col) for col in zip(*rows)], hp, *flags)
+    return out
+
+
 def global_norms(group, bucket):
     """Per-tensor ||c_t|| of a compiled group's MARS-path tensors (global clip, first pass)."""
-    norm = compiled(corrected_norm_kernel)
     cache = {}
-    return [norm(*_flat(g, st["last_grad"]), _hp(cache, group, p, st["step"].item(), kind, None))
-            for p, g, st, kind in zip(bucket.params, bucket.grads, bucket.states, bucket.kinds)
-            if kind != "fallback"]
+    calls = [(corrected_norm_kernel, _flat(g, st["last_grad"]),
+              _hp(cache, group, p, st["step"].item(), kind, None), ())
+             for p, g, st, kind in zip(bucket.params, bucket.grads, bucket.states, bucket.kinds)
+             if kind != "fallback"]
+    return _run(calls, group["compiled"] == "group")
 
 
 def update(group, bucket, total, exact):
-    """Phase 1-3 of every tensor in ``bucket`` (AdamW, Lion and fallback routes) in one
-    compiled kernel call each.  ``total``: the clamped global norm (global scope only)."""
-    scope, cache = group["clip_scope"], {}
+    """Phase 1-3 of every tensor in ``bucket`` (AdamW, Lion and fallback routes): one compiled
+    kernel call per tensor, or per batch of same-route tensors in ``compiled="group"`` mode.
+    ``total``: the clamped global norm (global scope only)."""
+    scope, cache, calls = group["clip_scope"], {}, []
     divisor = None
     if scope == "global":
         divisor = torch.clamp(total, min=1.0)
+    flags = (scope == "tensor", not exact)  # (tensor_clip, write_last)
     for p, g, st, kind in zip(bucket.params, bucket.grads, bucket.states, bucket.kinds):
         hp = _hp(cache, group, p, st["step"].item(), kind, divisor)  # CPU counter: no sync
         if kind == "fallback":
-            compiled(fallback_kernel)(*_flat(p, g, st["exp_avg"], st["exp_avg_sq"]), hp)
-            continue
-        tensor_clip, write_last = scope == "tensor", not exact
-        if kind == "lion":
-            compiled(lion_kernel)(*_flat(p, g, st["last_grad"], st["exp_avg"]), hp,
-                                  tensor_clip, write_last)
+            calls.append((fallback_kernel, _flat(p, g, st["exp_avg"], st["exp_avg_sq"]), hp, ()))
+        elif kind == "lion":
+            calls.append((lion_kernel, _flat(p, g, st["last_grad"], st["exp_avg"]), hp, flags))
         else:
             vmax = st.get("max_exp_avg_sq") if group["amsgrad"] else None
-            compiled(adamw_kernel)(*_flat(p, g, st["last_grad"], st["exp_avg"],
-                                          st["exp_avg_sq"], vmax), hp, tensor_clip, write_last)
+            calls.append((adamw_kernel, _flat(p, g, st["last_grad"], st["exp_avg"],
+                                              st["exp_avg_sq"], vmax), hp, flags))
+    _run(calls, group["compiled"] == "group")
