@@ -255,13 +255,14 @@ class MARS(Optimizer):
                     st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
-            st["step"] += 1
             g = p.grad if dtype == p.dtype else p.grad.to(dtype)
             w.params.append(p if dtype == p.dtype else p.detach().to(dtype))
             w.originals.append(p)
             w.grads.append(-g if group["maximize"] else g)
             w.states.append(st)
             w.kinds.append(kind)
+        if w.states:  # one CPU kernel for every step counter of the group
+            torch._foreach_add_([st["step"] for st in w.states], 1.0)
         return w
 
     def _evaluate_at_previous_iterate_then_current(self, closure):
