@@ -66,3 +66,20 @@ def closure_for(opt, params, loss_fn, *args, set_to_none=True):
         loss.backward()
         return loss
     return closure
+
+
+# ------------------------------------------------------------------ shared by the property files
+
+P_STAR = 1.2023686051632128  # sup of the 5-step quintic orbit on (0, 1] (test_newton_schulz)
+
+
+def assert_ulp_close(actual, expected, travelled):
+    """Two evaluations of the same update that differ only in the order of their roundings:
+    each step differs by a few ulps of that step, so the iterates may drift apart by 1e-13 of
+    the distance travelled (weight decay only contracts), plus 1e-14 of their own size."""
+    torch.testing.assert_close(actual, expected, rtol=1e-14, atol=1e-13 * travelled)
+
+
+def recovered_c(m_now, m_before, beta1):
+    """c~_t from (M4): m_t = beta1 m_{t-1} + (1 - beta1) c~_t."""
+    return (m_now - beta1 * m_before) / (1 - beta1)

@@ -10,31 +10,15 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from mars_property_helpers import F64, MARS_TYPES, clone_params, feed, make_params, random_grads, \
+from mars_property_helpers import assert_ulp_close, recovered_c, F64, MARS_TYPES, clone_params, feed, make_params, random_grads, \
     snapshot, steps
 from reference.mars import correction_coefficient
 from torch_impl import MARS
 from torch_impl import mars_functional as F
 
-P_STAR = 1.2023686051632128  # sup of the 5-step quintic orbit on (0, 1] (test_newton_schulz)
-
 seeds = st.integers(0, 2**32 - 1)
 shape2d = st.tuples(st.integers(1, 4), st.integers(1, 4))
 unit = st.floats(0.0, 0.95)
-
-
-# ------------------------------------------------------------------ helpers
-
-def assert_ulp_close(actual, expected, travelled):
-    """Two evaluations of the same update that differ only in the order of their roundings:
-    each step differs by a few ulps of that step, so the iterates may drift apart by 1e-13 of
-    the distance travelled (weight decay only contracts), plus 1e-14 of their own size."""
-    torch.testing.assert_close(actual, expected, rtol=1e-14, atol=1e-13 * travelled)
-
-
-def recovered_c(m_now, m_before, beta1):
-    """c~_t from (M4): m_t = beta1 m_{t-1} + (1 - beta1) c~_t."""
-    return (m_now - beta1 * m_before) / (1 - beta1)
 
 
 # ------------------------------------------------------------------ MT1, MT2, MT17: reductions

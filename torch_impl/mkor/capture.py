@@ -317,3 +317,22 @@ class Capture:
         if st.a_sum is None or st.g_sum is None:
             return None
         return st.a_sum, st.a_count, st.g_sum, st.g_calls
+
+
+class HookedLayers:
+    """Introspection shared by the hook-based preconditioners (``MKOR``, ``KFAC``), which keep
+    ``_layers`` (from :func:`discover`), ``_skipped`` and a ``_steps`` counter."""
+
+    @property
+    def preconditioned_modules(self):
+        """Names of the preconditioned modules (in ``named_modules`` order)."""
+        return [layer.name for layer in self._layers]
+
+    @property
+    def skipped_modules(self):
+        """Names of modules with parameters that go to the backbone unpreconditioned."""
+        return list(self._skipped)
+
+    @property
+    def steps(self):
+        return self._steps

@@ -29,7 +29,7 @@ this baseline replicates everything, like MKOR.)
 """
 import torch
 
-from .capture import Capture, conv_input, discover, unwrap_model
+from .capture import Capture, HookedLayers, conv_input, discover, unwrap_model
 from .distributed import Packet, world_size
 from .vectors import unfold2d
 
@@ -64,7 +64,7 @@ def _grad_stat(layer, g):
     return n * (rows.T @ rows)
 
 
-class KFAC:
+class KFAC(HookedLayers):
     """K-FAC preconditioner wrapping a ``torch.optim`` optimizer (same API as MKOR).
 
     Args:
@@ -119,18 +119,6 @@ class KFAC:
         """Bytes each rank all-reduces per factor update: (sum_m (d_in'^2 + d_out^2) +
         #bias-free layers) x itemsize."""
         return self._packet.nbytes
-
-    @property
-    def preconditioned_modules(self):
-        return [layer.name for layer in self._layers]
-
-    @property
-    def skipped_modules(self):
-        return list(self._skipped)
-
-    @property
-    def steps(self):
-        return self._steps
 
     def factor_update_due(self):
         return self._steps % self.factor_freq == 0

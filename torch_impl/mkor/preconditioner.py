@@ -21,7 +21,7 @@ the rank-1 vectors of :mod:`.vectors`, f = ``inv_freq``, t_w = ``warmup_steps``.
 """
 import torch
 
-from .capture import Capture, conv_input, discover, unwrap_model
+from .capture import Capture, HookedLayers, conv_input, discover, unwrap_model
 from .config import MKOROptions
 from .distributed import OverlapCapture, VectorExchange, mean_over_ranks, world_size
 from .layer_state import initial_layer_state, precondition_layer, update_layer_factors
@@ -47,7 +47,7 @@ def _stat_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
-class MKOR:
+class MKOR(HookedLayers):
     r"""MKOR / MKOR-H preconditioner wrapping a ``torch.optim`` optimizer.
 
     Usage::
@@ -158,20 +158,6 @@ class MKOR:
         self._capture.register()
 
     # -- introspection -----------------------------------------------------------------
-    @property
-    def preconditioned_modules(self):
-        """Names of the preconditioned modules (in ``named_modules`` order)."""
-        return [layer.name for layer in self._layers]
-
-    @property
-    def skipped_modules(self):
-        """Names of modules with parameters that go to the backbone unpreconditioned."""
-        return list(self._skipped)
-
-    @property
-    def steps(self):
-        return self._steps
-
     @property
     def switched(self):
         """Whether MKOR-H has handed over to the backbone (one-way)."""
