@@ -129,7 +129,7 @@ def _as_flag(flag, like):
 
 def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
                   norm="max_entry", stabilizer_timing=None, stabilizer_reset=None,
-                  first_update=None, first=False, reset_flag=False):
+                  first_update=None, first=False, reset_flag=False, out=None):
     r"""One factor's whole update (ALG lines 5-8; K8, K10, K11, K12). No host sync.
 
     ``stabilizer_timing="before_sm"`` (paper):
@@ -157,7 +157,8 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
 
     ``first`` and ``reset_flag`` may be Python bools or 0-d bool tensors. Options left
     None take the ``variant``'s column (spec section 4). Returns ``(J_t, f)`` with f a
-    0-d bool tensor. Mirrors ``reference.mkor_factors.factor_update``.
+    0-d bool tensor; J_t is written into ``out`` when given (a buffer shaped like J, not J).
+    Mirrors ``reference.mkor_factors.factor_update``.
     """
     column = VARIANT_COLUMNS.get(variant)
     if column is None:
@@ -199,7 +200,7 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
         B = torch.where(is_first, scalar(1.0), B)
         w = torch.where(is_first, scalar(0.0), w)
     a = u * torch.sqrt(w)
-    J_new = (J * A).addr_(a, a, alpha=-1.0)
+    J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-1.0)
     J_new.diagonal().add_(B)
     if timing == "deferred":
         fired = needs_stabilising(J_new, threshold, norm)
@@ -208,28 +209,33 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
     return J_new, fired
 
 
-def precondition(L_inv, R_inv, grad_W, grad_b=None):
+def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):
     r"""Kronecker preconditioning (K13, ALG line 9).
 
     .. math:: \hat G = [\nabla W \,|\, \nabla b] \in \mathbb{R}^{d_{out}\times d_{in}'},
               \qquad \Delta = L^{-1} \hat G R^{-1},
 
     with conv weights in the (C_out, C_in*kh*kw) layout of ``unfold2d``. Returns
-    (Delta_W shaped like grad_W, Delta_b or None).
+    (Delta_W shaped like grad_W, Delta_b or None). ``work``: optional pair of
+    (d_out, d_in) buffers that receive G R^{-1} and Delta_W, so a step allocates no
+    matrix (on CPU a fresh 4 MB tensor costs ~1,000 page faults).
     """
     d_out = grad_W.shape[0]
     G = grad_W.reshape(d_out, -1)
+    X, D = work if work is not None else (None, None)
     if grad_b is None:
-        return (L_inv @ G @ R_inv).reshape(grad_W.shape), None
+        X = torch.mm(G, R_inv, out=X)
+        return torch.mm(L_inv, X, out=D).reshape(grad_W.shape), None
     # [G | b] R^{-1} without concatenating: with R^{-1} = [[R11, r12], [r21^T, r22]],
     # the weight block is G R11 + b r21^T and the bias column G r12 + r22 b.
     d = G.shape[1]
-    X = (G @ R_inv[:d, :d]).addr_(grad_b.reshape(-1), R_inv[d, :d])
+    X = torch.mm(G, R_inv[:d, :d], out=X).addr_(grad_b.reshape(-1), R_inv[d, :d])
     x_b = torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])
-    return (L_inv @ X).reshape(grad_W.shape), (L_inv @ x_b).reshape(grad_b.shape)
+    return (torch.mm(L_inv, X, out=D).reshape(grad_W.shape),
+            (L_inv @ x_b).reshape(grad_b.shape))
 
 
-def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint"):
+def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
     r"""Norm-preserving rescale of the preconditioned step (K14, ALG line 10).
 
     .. math::
@@ -241,7 +247,8 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint"):
     output (s Delta_W, s Delta_b), computed in place in Delta. Zero guard (KT6), as the
     oracle: when the gradient norm is 0 or the update norm is 0 or not finite, the raw
     gradient is returned, so nothing here produces NaN or inf. All tests are
-    ``torch.where`` on 0-d tensors (no host sync).
+    ``torch.where`` on 0-d tensors (no host sync). ``out_W`` (may be ``grad_W`` itself)
+    receives the weight block, so no matrix is allocated.
     """
     has_b = grad_b is not None
     if mode == "joint":
@@ -264,6 +271,6 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint"):
     s = grad_norm / torch.where(usable, delta_norm, torch.ones_like(delta_norm))
     # A finite ||Delta|| means every entry of Delta is finite, and |s Delta_i| <= ||grad||, so
     # s Delta cannot overflow: ``usable`` is the whole guard (no per-entry isfinite pass).
-    out_W = torch.where(usable, delta_W.mul_(s), grad_W)
+    out_W = torch.where(usable, delta_W.mul_(s), grad_W, out=out_W)
     out_b = torch.where(usable, delta_b.mul_(s), grad_b) if has_b else None
     return out_W, out_b

@@ -8,9 +8,10 @@ Every decision is a ``torch.where`` on 0-d tensors: nothing here synchronises wi
 """
 import torch
 
-from .factors import factor_update, needs_stabilising, precondition, rescale
+from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
+                      rescale)
 
-__all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer"]
+__all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
 
 
 def initial_layer_state(layer, factor_dtype):
@@ -25,10 +26,30 @@ def initial_layer_state(layer, factor_dtype):
             "skipped": zero.clone(), "fired": zero.clone()}
 
 
-def update_layer_factors(s, a_bar, g_bar, present, o):
+class Workspace:
+    """Reusable GEMM outputs for :func:`precondition_layer`: two flat buffers per
+    (dtype, device), grown to the largest layer and viewed at each layer's shape. Layers
+    are preconditioned one after another, so one pair serves them all (memory: two
+    largest-layer gradients)."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def pair(self, shape, dtype, device):
+        n = shape[0] * shape[1]
+        key = (dtype, torch.device(device))
+        bufs = self._buffers.get(key)
+        if bufs is None or bufs[0].numel() < n:
+            bufs = self._buffers[key] = tuple(torch.empty(n, dtype=dtype, device=device)
+                                              for _ in range(2))
+        return tuple(b[:n].view(shape) for b in bufs)
+
+
+def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
     """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) with the options ``o`` (K8-K12);
     a non-finite vector or result is refused and counted.  ``present``: None on one process,
-    else a 0-d bool saying whether any rank captured the layer."""
+    else a 0-d bool saying whether any rank captured the layer. With a ``workspace`` the new
+    factor is computed in a borrowed buffer and copied into the stored one (no allocation)."""
     cd = o.compute_dtype
     deferred = o.stabilizer_timing == "deferred"
     coupled = o.stabilizer_coupling == "coupled"
@@ -43,20 +64,25 @@ def update_layer_factors(s, a_bar, g_bar, present, o):
         flag_a = flag_g = needs_stabilising(R, o.threshold) | needs_stabilising(L, o.threshold)
     else:
         flag_a = flag_g = False
-    R_new, fired_a = factor_update(R, a_bar, first=s["updates_a"] == 0, reset_flag=flag_a,
-                                   **common)
-    L_new, fired_g = factor_update(L, g_bar, first=s["updates_g"] == 0, reset_flag=flag_g,
-                                   **common)
-    # Non-finite statistics (or an overflowing update) never enter a factor.
-    ok_a = torch.isfinite(a_bar).all() & torch.isfinite(R_new).all()
-    ok_g = torch.isfinite(g_bar).all() & torch.isfinite(L_new).all()
-    if present is not None:
-        s["skipped"] = s["skipped"] + (present & ~ok_a).long() + (present & ~ok_g).long()
-        ok_a, ok_g = ok_a & present, ok_g & present
-    else:
-        s["skipped"] = s["skipped"] + (~ok_a).long() + (~ok_g).long()
-    s["R_inv"] = torch.where(ok_a, R_new, R).to(o.factor_dtype)
-    s["L_inv"] = torch.where(ok_g, L_new, L).to(o.factor_dtype)
+    def update(key, J, v, first, flag):
+        buf = None if workspace is None else workspace.pair(J.shape, cd, J.device)[0]
+        J_new, fired = factor_update(J, v, first=first, reset_flag=flag, out=buf, **common)
+        # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
+        # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
+        ok = torch.isfinite(v).all() & torch.isfinite(max_entry_norm(J_new))
+        if present is not None:
+            s["skipped"] = s["skipped"] + (present & ~ok).long()
+            ok = ok & present
+        else:
+            s["skipped"] = s["skipped"] + (~ok).long()
+        if buf is not None and s[key].dtype == cd:  # J is the stored factor: update in place
+            torch.where(ok, J_new, J, out=s[key])
+        else:
+            s[key] = torch.where(ok, J_new, J).to(o.factor_dtype)
+        return ok, fired
+
+    ok_a, fired_a = update("R_inv", R, a_bar, s["updates_a"] == 0, flag_a)
+    ok_g, fired_g = update("L_inv", L, g_bar, s["updates_g"] == 0, flag_g)
     s["updates_a"] = s["updates_a"] + ok_a.long()
     s["updates_g"] = s["updates_g"] + ok_g.long()
     s["fired"] = s["fired"] + (ok_a & fired_a).long() + (ok_g & fired_g).long()
@@ -67,8 +93,9 @@ def update_layer_factors(s, a_bar, g_bar, present, o):
         s["reset_a"], s["reset_g"] = (either, either) if coupled else (fa, fg)
 
 
-def precondition_layer(layer, s, o):
-    """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place."""
+def precondition_layer(layer, s, o, workspace=None):
+    """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place.
+    ``workspace``: a :class:`Workspace` lending the two GEMM outputs (none allocated)."""
     weight, bias = layer.module.weight, layer.module.bias
     if weight.grad is None:
         return
@@ -81,12 +108,17 @@ def precondition_layer(layer, s, o):
         grad_b = (bias.grad.to(cd) if bias.grad is not None
                   else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
     pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
+    shape = (layer.d_out, grad_W[0].numel())
+    work = None if workspace is None else workspace.pair(shape, pd, grad_W.device)
     delta_W, delta_b = precondition(s["L_inv"].to(pd), s["R_inv"].to(pd), grad_W.to(pd),
-                                    None if grad_b is None else grad_b.to(pd))
+                                    None if grad_b is None else grad_b.to(pd), work)
     if pd != cd:
         delta_W = delta_W.to(cd)
         delta_b = None if delta_b is None else delta_b.to(cd)
-    delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, o.rescale)
-    weight.grad.copy_(delta_W)
+    in_place = grad_W is weight.grad  # no dtype cast: write the result straight into .grad
+    delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, o.rescale,
+                               out_W=weight.grad if in_place else None)
+    if not in_place:
+        weight.grad.copy_(delta_W)
     if layer.has_bias and bias.grad is not None:
         bias.grad.copy_(delta_b)

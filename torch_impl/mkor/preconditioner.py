@@ -24,7 +24,7 @@ import torch
 from .capture import Capture, HookedLayers, conv_input, discover, unwrap_model
 from .config import MKOROptions
 from .distributed import OverlapCapture, VectorExchange, mean_over_ranks, world_size
-from .layer_state import initial_layer_state, precondition_layer, update_layer_factors
+from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .hybrid import LossRateSwitch
 from .vectors import conv2d_grad_sum, conv2d_input_sum, linear_grad_sum, linear_input_sum
 
@@ -146,6 +146,7 @@ class MKOR(HookedLayers):
                 o.switch_patience, o.switch_step)
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
+        self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
         self._exchange = VectorExchange(self._layers, model, o.compute_dtype, o.comm_dtype,
                                         o.average, process_group)
         hooks = dict(grad_hook=o.grad_hook)
@@ -359,7 +360,8 @@ class MKOR(HookedLayers):
 
     def _update_factors(self):
         for layer, a_bar, g_bar, present in self._vectors():
-            update_layer_factors(self._state[layer.name], a_bar, g_bar, present, self.options)
+            update_layer_factors(self._state[layer.name], a_bar, g_bar, present, self.options,
+                                 self._workspace)
 
     def _precondition_layer(self, layer):
-        precondition_layer(layer, self._state[layer.name], self.options)
+        precondition_layer(layer, self._state[layer.name], self.options, self._workspace)
