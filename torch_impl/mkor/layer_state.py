@@ -6,6 +6,8 @@ State per layer: the inverse factors ``L_inv`` (d_out x d_out) and ``R_inv`` (d_
 refused), ``fired`` (stabiliser actions) and the deferred reset flags ``reset_a``/``reset_g``.
 Every decision is a ``torch.where`` on 0-d tensors: nothing here synchronises with the device.
 """
+import math
+
 import torch
 
 from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
@@ -27,29 +29,32 @@ def initial_layer_state(layer, factor_dtype):
 
 
 class Workspace:
-    """Reusable GEMM outputs for :func:`precondition_layer`: two flat buffers per
-    (dtype, device), grown to the largest layer and viewed at each layer's shape. Layers
-    are preconditioned one after another, so one pair serves them all (memory: two
-    largest-layer gradients)."""
+    """Reusable outputs for the big products of :func:`precondition_layer` and
+    :func:`update_layer_factors`: two flat buffers per (dtype, device), grown to the largest
+    layer and viewed at each call's shapes. Layers are processed one after another, so one
+    pair serves them all (memory: about two of the largest layer's gradients)."""
 
     def __init__(self):
         self._buffers = {}
 
-    def pair(self, shape, dtype, device):
-        n = shape[0] * shape[1]
+    def views(self, shapes, dtype, device):
+        """One view per shape (at most two), each on its own buffer."""
+        sizes = [math.prod(shape) for shape in shapes]
         key = (dtype, torch.device(device))
-        bufs = self._buffers.get(key)
-        if bufs is None or bufs[0].numel() < n:
-            bufs = self._buffers[key] = tuple(torch.empty(n, dtype=dtype, device=device)
-                                              for _ in range(2))
-        return tuple(b[:n].view(shape) for b in bufs)
+        bufs = self._buffers.get(key, ())
+        if len(bufs) < len(sizes) or any(b.numel() < n for b, n in zip(bufs, sizes)):
+            old = [b.numel() for b in bufs] + [0] * (2 - len(bufs))
+            bufs = self._buffers[key] = tuple(
+                torch.empty(max(n, o), dtype=dtype, device=device)
+                for n, o in zip(sizes + [0] * (2 - len(sizes)), old))
+        return tuple(b[:n].view(shape) for b, n, shape in zip(bufs, sizes, shapes))
 
 
 def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
     """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) with the options ``o`` (K8-K12);
     a non-finite vector or result is refused and counted.  ``present``: None on one process,
     else a 0-d bool saying whether any rank captured the layer. With a ``workspace`` the new
-    factor is computed in a borrowed buffer and copied into the stored one (no allocation)."""
+    factor is computed in a borrowed buffer and written into the stored one (no allocation)."""
     cd = o.compute_dtype
     deferred = o.stabilizer_timing == "deferred"
     coupled = o.stabilizer_coupling == "coupled"
@@ -64,8 +69,9 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
         flag_a = flag_g = needs_stabilising(R, o.threshold) | needs_stabilising(L, o.threshold)
     else:
         flag_a = flag_g = False
+
     def update(key, J, v, first, flag):
-        buf = None if workspace is None else workspace.pair(J.shape, cd, J.device)[0]
+        buf = None if workspace is None else workspace.views([J.shape], cd, J.device)[0]
         J_new, fired = factor_update(J, v, first=first, reset_flag=flag, out=buf, **common)
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
         # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
@@ -108,8 +114,9 @@ def precondition_layer(layer, s, o, workspace=None):
         grad_b = (bias.grad.to(cd) if bias.grad is not None
                   else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
     pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
-    shape = (layer.d_out, grad_W[0].numel())
-    work = None if workspace is None else workspace.pair(shape, pd, grad_W.device)
+    d_out, d_in = layer.d_out, layer.d_in  # d_in counts the bias column
+    work = None if workspace is None else workspace.views(
+        [(d_out, d_in), (d_out, d_in - layer.has_bias)], pd, grad_W.device)
     delta_W, delta_b = precondition(s["L_inv"].to(pd), s["R_inv"].to(pd), grad_W.to(pd),
                                     None if grad_b is None else grad_b.to(pd), work)
     if pd != cd:
