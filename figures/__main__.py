@@ -39,8 +39,16 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: these models are small, so extra "
                         "threads mostly add overhead, and one thread is reproducible)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --tune or --full: run the lr sweeps in this many subprocesses, "
+                        "one curve each at a time (results identical to --jobs 1), then draw "
+                        "the figures with the tuned values")
+    p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    return args
 
 
 def main(argv=None):
@@ -58,15 +66,25 @@ def main(argv=None):
                     tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
                     progress=not args.no_progress,
                     command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
+    ctx.sweep_only = args.sweep_only
     how = committed.get("meta", {}).get("how", "missing: grid centres, UNTUNED")
     lr_note = "lr swept now" if tune else f"lr from {tuned_path.name}: {how}"
     print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
     start = time.perf_counter()
-    for name in args.only or FIGURES:
+    names = args.only or FIGURES
+    if tune and args.jobs > 1 and not args.sweep_only:
+        for task, entries in parallel_sweeps(args, mode, names).items():
+            ctx.tuned.setdefault("tasks", {}).setdefault(task, {}).update(entries)
+            ctx.tuned.setdefault("tasks_meta", {})[task] = dict(mode=mode)
+            ctx.swept[task] = entries
+        ctx.tune = False  # the figures below use the values just swept
+    for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.{name}")
         try:
             line, _ = module.run(ctx)
+        except C.SweepFinished as done:
+            line = f"swept {', '.join(done.args[0]) or 'nothing'}"
         except ModuleNotFoundError as err:  # an optional data package is missing: say so
             line = f"BLOCKED: {err}"
         print(f"[{name}] {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -77,9 +95,51 @@ def main(argv=None):
             ctx.swept[name] = (ctx.swept[name], record)
     if ctx.swept:
         write_tuned(ctx, committed, tuned_path)
+    if ctx.sweep_only:
+        return
     write_summary(ctx.out, C.load_tuned(tuned_path), tune)
     print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
           f"summary in {ctx.out / 'summary.md'}")
+
+
+def parallel_sweeps(args, mode, names):
+    """The lr sweeps of every tunable curve of ``names``, each in its own
+    ``python -m figures --sweep-only`` subprocess, ``args.jobs`` at a time. The sweeps are
+    the serial ones (same grids, tuning seeds and scores); returns {task: {label: sweep}}."""
+    import concurrent.futures
+    import subprocess
+    import tempfile
+
+    work = []
+    for name in names:
+        for spec in getattr(importlib.import_module(f"figures.{name}"), "SPECS", ()):
+            if not spec.lr_from and (not args.tune_curves or spec.label in args.tune_curves):
+                work.append((name, spec.label))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="figures-sweeps-"))
+    flags = {"full": ["--full"], "tiny": ["--tiny"]}.get(mode, [])
+
+    def sweep(i, name, label):
+        out = tmp / f"{i}.json"
+        cmd = [sys.executable, "-m", "figures", "--sweep-only", "--tune", *flags, "--only", name,
+               "--tune-curves", label, "--device", args.device, "--threads", str(args.threads),
+               "--tuned-json", str(out), "--out", str(tmp / str(i)), "--no-progress"]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the sweep of {name} / {label} failed:\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())["tasks"][name][label], time.perf_counter() - t0
+
+    swept = {}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(sweep, i, n, l): (n, l) for i, (n, l) in enumerate(work)}
+        for k, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            (name, label), (entry, seconds) = futures[future], future.result()
+            swept.setdefault(name, {})[label] = entry
+            print(f"[sweep {k}/{len(work)}] {name} / {label}: lr {entry['lr']:.3g}"
+                  f"{' (on the edge)' if entry['edge'] else ''} ({seconds:.0f} s)", flush=True)
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {name: dict(sorted(entries.items())) for name, entries in swept.items()}
 
 
 def write_tuned(ctx, committed, path):

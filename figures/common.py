@@ -43,6 +43,7 @@ class Context:
     budget_steps: int = 0  # steps of the current task's runs (set by each figure)
     tune_labels: frozenset = None  # tune only these curve labels (None: all)
     swept: dict = dataclasses.field(default_factory=dict)  # {task: {label: sweep}} this run
+    sweep_only: bool = False  # sweep the curves to tune, then stop (no reported runs)
 
     def seed_list(self, default):
         return list(range(self.seeds if self.seeds else default[self.mode]))
@@ -65,6 +66,8 @@ class Context:
         if entry:
             mode = self.tuned.get("tasks_meta", {}).get(task, {}).get("mode", "?")
             edge = ", best on the grid's edge" if entry.get("edge") else ""
+            if spec.label in self.swept.get(task, {}):  # swept by this run's --jobs workers
+                return entry["lr"], "tuned now" + edge
             return entry["lr"], f"tuned ({mode} budget{edge})"
         return spec.grid_center(), "UNTUNED grid centre"
 
@@ -154,9 +157,20 @@ def final_score(rows, steps, key="val_loss"):
     return float(last[key])
 
 
+class SweepFinished(Exception):
+    """Raised by :func:`run_curves` under ``ctx.sweep_only`` once its sweeps are recorded:
+    the figure is not drawn (``python -m figures --jobs N`` runs sweeps in subprocesses)."""
+
+
 def run_curves(ctx, figure, task, specs, run_fn, seeds, key="val_loss", tune_seeds=1):
     """Each spec: its lr (tuned, committed or lr_from), then ``run_fn(spec, lr, seed)`` ->
     rows over ``seeds``. Returns {label: dict(spec, lr, source, runs, seeds, switch)}."""
+    if ctx.sweep_only:
+        for spec in specs:
+            if not spec.lr_from and (ctx.tune_labels is None or spec.label in ctx.tune_labels):
+                ctx.lr_for(task, spec, lambda lr, seed, spec=spec: final_score(
+                    run_fn(spec, lr, seed)[0], ctx.budget_steps, key), tune_seeds)
+        raise SweepFinished(sorted(ctx.swept.get(task, {})))
     curves = {}
     for spec in specs:
         if spec.lr_from:

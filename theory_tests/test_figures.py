@@ -98,6 +98,29 @@ def test_tuning_writes_the_grid_and_how(tmp_path, offline):
     assert again["tasks_meta"]["noisy_quadratic"]["retuned"][0]["curves"] == ["SGD"]
 
 
+def test_parallel_sweeps_equal_the_serial_ones(tmp_path):
+    """``--jobs 2`` runs each curve's sweep in a ``--sweep-only`` subprocess: the grids, scores
+    and chosen lrs must be the serial sweep's, and so must every curve point (wall-clock
+    aside), since each run is seeded."""
+    base = ["--tiny", "--tune", "--tune-curves", "SGD", "AdamW", "--only", "digits_cnn",
+            "--no-progress", "--seeds", "1"]
+    for tag, extra in (("serial", []), ("parallel", ["--jobs", "2"])):
+        cli.main(base + extra + ["--out", str(tmp_path / tag),
+                                 "--tuned-json", str(tmp_path / f"{tag}.json")])
+    serial, parallel = (json.loads((tmp_path / f"{t}.json").read_text())
+                        for t in ("serial", "parallel"))
+    assert parallel["tasks"] == serial["tasks"]
+    assert sorted(parallel["tasks"]["digits_cnn"]) == ["AdamW", "SGD"]
+    assert parallel["tasks_meta"]["digits_cnn"]["curves"] == ["AdamW", "SGD"]
+    (_, a), (_, b) = (_read_csv(tmp_path / t / "digits_cnn.csv") for t in ("serial", "parallel"))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa
+    assert strip(a) == strip(b)
+    summary = (tmp_path / "parallel" / "summary.md").read_text()
+    assert "| SGD | " in summary and "tuned now" in summary
+    with pytest.raises(SystemExit):
+        cli.parse(["--jobs", "0"])
+
+
 def test_committed_tuned_json_says_how_it_was_made():
     record = C.load_tuned()
     assert record, "figures/tuned_lr.json is missing"
