@@ -72,12 +72,21 @@ def main(argv=None):
     print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
     start = time.perf_counter()
     names = args.only or FIGURES
+    records = {}  # {task: how its sweeps were made}, for the tuned JSON
+
+    def record(name):
+        module = importlib.import_module(f"figures.{name}")
+        records[name] = dict(mode=mode, budget=getattr(module, "BUDGET", {}).get(mode),
+                             date=C.stamp(), command=ctx.command, curves=sorted(ctx.swept[name]))
+
     if tune and args.jobs > 1 and not args.sweep_only:
         for task, entries in parallel_sweeps(args, mode, names).items():
             ctx.tuned.setdefault("tasks", {}).setdefault(task, {}).update(entries)
             ctx.tuned.setdefault("tasks_meta", {})[task] = dict(mode=mode)
             ctx.swept[task] = entries
-        ctx.tune = False  # the figures below use the values just swept
+            record(task)
+        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)  # kept if the
+        ctx.tune = False  # figure runs below are cut short; they use the values just swept
     for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.{name}")
@@ -88,13 +97,10 @@ def main(argv=None):
         except ModuleNotFoundError as err:  # an optional data package is missing: say so
             line = f"BLOCKED: {err}"
         print(f"[{name}] {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if name in ctx.swept:
-            record = dict(mode=mode, budget=getattr(module, "BUDGET", {}).get(mode),
-                          date=C.stamp(), command=ctx.command,
-                          curves=sorted(ctx.swept[name]))
-            ctx.swept[name] = (ctx.swept[name], record)
+        if name in ctx.swept and name not in records:
+            record(name)
     if ctx.swept:
-        write_tuned(ctx, committed, tuned_path)
+        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
     if ctx.sweep_only:
         return
     write_summary(ctx.out, C.load_tuned(tuned_path), tune)
@@ -142,14 +148,16 @@ def parallel_sweeps(args, mode, names):
     return {name: dict(sorted(entries.items())) for name, entries in swept.items()}
 
 
-def write_tuned(ctx, committed, path):
-    """Merge this run's sweeps into the tuned JSON: a task swept whole replaces its entry; a
-    partial re-tune (``--tune-curves``) replaces those curves and is logged in the task's
-    ``retuned`` list. Other tasks keep their entries."""
-    tasks = {k: dict(v) for k, v in committed.get("tasks", {}).items()}
-    tasks_meta = {k: dict(v) for k, v in committed.get("tasks_meta", {}).items()}
-    for task, (sweeps, record) in ctx.swept.items():
-        if ctx.tune_labels is None or task not in tasks:
+def write_tuned(swept, records, tune_labels, committed, path):
+    """Merge this run's sweeps ({task: {label: sweep}}, with ``records[task]`` saying how)
+    into the tuned JSON: a task swept whole replaces its entry; a partial re-tune
+    (``--tune-curves``) replaces those curves and is logged in the task's ``retuned`` list.
+    Other tasks keep their entries."""
+    fresh = json.loads(json.dumps(committed))  # a deep copy: ``committed`` stays as read
+    tasks, tasks_meta = fresh.get("tasks", {}), fresh.get("tasks_meta", {})
+    for task, sweeps in swept.items():
+        record = records[task]
+        if tune_labels is None or task not in tasks:
             tasks[task], tasks_meta[task] = sweeps, record
         else:
             tasks[task].update(sweeps)

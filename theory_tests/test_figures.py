@@ -117,6 +117,14 @@ def test_parallel_sweeps_equal_the_serial_ones(tmp_path):
     assert strip(a) == strip(b)
     summary = (tmp_path / "parallel" / "summary.md").read_text()
     assert "| SGD | " in summary and "tuned now" in summary
+    # a parallel partial re-tune is logged once (the JSON is written after the sweeps and
+    # again at the end) and keeps the other curve
+    cli.main(["--tiny", "--tune", "--tune-curves", "SGD", "--jobs", "2", "--only", "digits_cnn",
+              "--no-progress", "--seeds", "1", "--out", str(tmp_path / "again"),
+              "--tuned-json", str(tmp_path / "parallel.json")])
+    again = json.loads((tmp_path / "parallel.json").read_text())
+    assert [r["curves"] for r in again["tasks_meta"]["digits_cnn"]["retuned"]] == [["SGD"]]
+    assert again["tasks"]["digits_cnn"] == serial["tasks"]["digits_cnn"]
     with pytest.raises(SystemExit):
         cli.parse(["--jobs", "0"])
 
