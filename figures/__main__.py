@@ -174,6 +174,18 @@ def write_tuned(swept, records, tune_labels, committed, path):
     print(f"tuned learning rates written to {path}")
 
 
+def _tuning_modes(tuned):
+    """Which tasks were swept at which budget, saying plainly which are not --full sweeps."""
+    by_mode = {}
+    for task, meta in sorted(tuned.get("tasks_meta", {}).items()):
+        by_mode.setdefault(meta["mode"], []).append(f"`{task}`")
+    parts = [f"Swept at the {mode} budget"
+             + ("" if mode == "full" else " (NOT the `--full` sweep: treat these as tuned for "
+                f"the {mode} budget only)") + ": " + ", ".join(tasks) + "."
+             for mode, tasks in sorted(by_mode.items())]
+    return " ".join(parts)
+
+
 def write_summary(out, tuned, tuned_now):
     """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others)."""
     out = pathlib.Path(out)
@@ -186,9 +198,7 @@ def write_summary(out, tuned, tuned_now):
              "metric; '—' = not reached within the budget).", "",
              "**Learning rates.** " + ("Swept by this run." if tuned_now else
              f"Read from `figures/tuned_lr.json`, produced by {tuned['meta']['how']} on "
-             f"{tuned['meta']['date']}." + ("" if tuned["meta"]["mode"] == "full" else
-             " This is NOT the `--full` sweep (each task's budget is in that file): treat "
-             "these as quick-budget tunings.") if tuned else
+             f"{tuned['meta']['date']}. " + _tuning_modes(tuned) if tuned else
              "UNTUNED: no tuned-lr JSON was found; every optimizer ran at its grid centre."),
              ""]
     for m in metas:

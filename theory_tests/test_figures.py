@@ -129,6 +129,14 @@ def test_parallel_sweeps_equal_the_serial_ones(tmp_path):
         cli.parse(["--jobs", "0"])
 
 
+def test_summary_names_the_budget_each_task_was_tuned_at():
+    text = cli._tuning_modes({"tasks_meta": {"a": {"mode": "full"}, "b": {"mode": "quick"},
+                                             "c": {"mode": "full"}}})
+    full, quick = text.split(" Swept at the quick budget")
+    assert "`a`, `c`" in full and "NOT" not in full
+    assert "NOT the `--full` sweep" in quick and "`b`" in quick
+
+
 def test_committed_tuned_json_says_how_it_was_made():
     record = C.load_tuned()
     assert record, "figures/tuned_lr.json is missing"
