@@ -2,8 +2,9 @@
 ``summary.md``.
 
 Quick mode (default) runs on a CPU in about 5 minutes with the learning rates committed in
-``figures/tuned_lr.json``; ``--full`` runs the paper-quality budgets and sweeps every
-learning rate itself (writing the tuned JSON); ``--tune`` sweeps at the chosen mode's budget.
+``figures/tuned_lr.json`` (swept at the quick budgets); ``--full`` runs the paper-quality
+budgets and sweeps every learning rate itself, writing ``figures/tuned_lr_full.json``;
+``--tune`` sweeps at the chosen mode's budget.
 """
 import argparse
 import importlib
@@ -34,8 +35,10 @@ def parse(argv):
                         "the tuned JSON")
     p.add_argument("--tune-curves", nargs="+", metavar="LABEL",
                    help="with --tune: re-tune only these curve labels, keep the rest")
-    p.add_argument("--tuned-json", default=str(C.TUNED_PATH),
-                   help="tuned-lr JSON to read (and, when tuning, to write)")
+    p.add_argument("--tuned-json", default=None,
+                   help="tuned-lr JSON to read (and, when tuning, to write); default "
+                        "figures/tuned_lr_full.json with --full, else figures/tuned_lr.json, "
+                        "each falling back to the other for curves it lacks")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: these models are small, so extra "
                         "threads mostly add overhead, and one thread is reproducible)")
@@ -56,13 +59,16 @@ def main(argv=None):
     args = parse(argv)
     mode = "tiny" if args.tiny else "full" if args.full else "quick"
     tune = args.tune or args.full
-    tuned_path = pathlib.Path(args.tuned_json)
+    own, other = C.tuned_paths(mode)
+    tuned_path = pathlib.Path(args.tuned_json or own)
+    fallback = {} if args.tuned_json else C.load_tuned(other)
     if args.device == "cpu":
         import torch
         torch.set_num_threads(args.threads)
     committed = C.load_tuned(tuned_path)
     ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=pathlib.Path(args.out),
                     tune=tune, tuned=json.loads(json.dumps(committed)), tuned_path=tuned_path,
+                    fallback=fallback,
                     tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
                     progress=not args.no_progress,
                     command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
@@ -103,7 +109,8 @@ def main(argv=None):
         write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
     if ctx.sweep_only:
         return
-    write_summary(ctx.out, C.load_tuned(tuned_path), tune)
+    write_summary(ctx.out, C.load_tuned(tuned_path), tune, fallback,
+                  (tuned_path.name, other.name))
     print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
           f"summary in {ctx.out / 'summary.md'}")
 
@@ -175,18 +182,35 @@ def write_tuned(swept, records, tune_labels, committed, path):
 
 
 def _tuning_modes(tuned):
-    """Which tasks were swept at which budget, saying plainly which are not --full sweeps."""
+    """Which tasks were swept at which budget."""
     by_mode = {}
     for task, meta in sorted(tuned.get("tasks_meta", {}).items()):
         by_mode.setdefault(meta["mode"], []).append(f"`{task}`")
-    parts = [f"Swept at the {mode} budget"
-             + ("" if mode == "full" else " (NOT the `--full` sweep: treat these as tuned for "
-                f"the {mode} budget only)") + ": " + ", ".join(tasks) + "."
-             for mode, tasks in sorted(by_mode.items())]
-    return " ".join(parts)
+    return " ".join(f"Swept at the {mode} budget: {', '.join(tasks)}."
+                    for mode, tasks in sorted(by_mode.items()))
 
 
-def write_summary(out, tuned, tuned_now):
+def _lr_paragraph(tuned, tuned_now, fallback, names):
+    """The summary's paragraph on where the learning rates came from."""
+    if tuned_now:
+        return "**Learning rates.** Swept by this run."
+    files = [(name, record) for name, record in zip(names, (tuned, fallback)) if record]
+    if not files:
+        return ("**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran "
+                "at its grid centre.")
+    text = ["**Learning rates.** Each budget keeps its own sweeps (quick mode reads "
+            "`figures/tuned_lr.json`, `--full` reads `figures/tuned_lr_full.json`); a curve "
+            "missing from one takes the other's value, and the lr source column says which "
+            "budget each curve's lr was tuned at."]
+    for i, (name, record) in enumerate(files):
+        text.append(f"{'Read' if i == 0 else 'Fallback'}: `{name}` ({record['meta']['date']}). "
+                    + _tuning_modes(record))
+    text.append(f"How: {files[0][1]['meta']['how']}.")
+    return " ".join(text)
+
+
+def write_summary(out, tuned, tuned_now, fallback=None,
+                  names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name)):
     """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others)."""
     out = pathlib.Path(out)
     metas = [json.loads((out / f"{n}.json").read_text()) for n in FIGURES
@@ -196,11 +220,7 @@ def write_summary(out, tuned, tuned_now):
              "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
              "steps it needs to reach the reference's final value (the papers' headline "
              "metric; '—' = not reached within the budget).", "",
-             "**Learning rates.** " + ("Swept by this run." if tuned_now else
-             f"Read from `figures/tuned_lr.json`, produced by {tuned['meta']['how']} on "
-             f"{tuned['meta']['date']}. " + _tuning_modes(tuned) if tuned else
-             "UNTUNED: no tuned-lr JSON was found; every optimizer ran at its grid centre."),
-             ""]
+             _lr_paragraph(tuned, tuned_now, fallback, names), ""]
     for m in metas:
         lines += [f"## {m.get('task_title', m['figure'])}", "",
                   f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]

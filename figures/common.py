@@ -24,7 +24,8 @@ from .registry import CENTER, DEFAULTS, Lion, Spec, Stepper, build  # noqa: F401
 CSV_COLUMNS = ("figure", "optimizer", "lr", "hparams", "seed", "step", "wall_s", "tokens",
                "metric", "value")
 HERE = pathlib.Path(__file__).resolve().parent
-TUNED_PATH = HERE / "tuned_lr.json"
+TUNED_PATH = HERE / "tuned_lr.json"  # quick-budget sweeps (read by quick and tiny modes)
+TUNED_FULL_PATH = HERE / "tuned_lr_full.json"  # --full sweeps (read by --full)
 MODES = ("tiny", "quick", "full")
 
 
@@ -38,6 +39,7 @@ class Context:
     tune: bool = False
     tuned: dict = dataclasses.field(default_factory=dict)
     tuned_path: pathlib.Path = TUNED_PATH
+    fallback: dict = dataclasses.field(default_factory=dict)  # the other budget's sweeps
     progress: bool = True
     command: str = ""
     budget_steps: int = 0  # steps of the current task's runs (set by each figure)
@@ -51,8 +53,8 @@ class Context:
     def lr_for(self, task, spec, score_fn, tune_seeds=1):
         """(lr, source). When this curve is to be tuned: sweep on tuning seeds 100, 101, ...
         (disjoint from the reported seeds 0, 1, ...), record it in ``self.swept`` and
-        ``self.tuned`` and return the best. Otherwise the committed tuned value, else the
-        grid centre (said as such)."""
+        ``self.tuned`` and return the best. Otherwise the tuned value of this mode's budget,
+        else the other budget's (``self.fallback``), else the grid centre (said as such)."""
         if self.tune and (self.tune_labels is None or spec.label in self.tune_labels):
             wide = self.mode == "full"  # --full: a wider grid and two tuning seeds
             n = max(tune_seeds, 2) if wide else tune_seeds
@@ -62,14 +64,21 @@ class Context:
             self.tuned.setdefault("tasks", {}).setdefault(task, {})[spec.label] = result
             return result["lr"], "tuned now" + (", best on the grid's edge" if result["edge"]
                                                 else "")
-        entry = self.tuned.get("tasks", {}).get(task, {}).get(spec.label)
+        entry, mode = self.tuned_entry(task, spec.label)
         if entry:
-            mode = self.tuned.get("tasks_meta", {}).get(task, {}).get("mode", "?")
             edge = ", best on the grid's edge" if entry.get("edge") else ""
             if spec.label in self.swept.get(task, {}):  # swept by this run's --jobs workers
                 return entry["lr"], "tuned now" + edge
             return entry["lr"], f"tuned ({mode} budget{edge})"
         return spec.grid_center(), "UNTUNED grid centre"
+
+    def tuned_entry(self, task, label):
+        """(sweep, budget mode) of a curve from this mode's tuned JSON, else the other's."""
+        for record in (self.tuned, self.fallback):
+            entry = record.get("tasks", {}).get(task, {}).get(label)
+            if entry:
+                return entry, record.get("tasks_meta", {}).get(task, {}).get("mode", "?")
+        return None, None
 
 
 def sweep(center, score_fn, seeds, half_width=2, max_extend=5):
@@ -107,6 +116,13 @@ def sweep(center, score_fn, seeds, half_width=2, max_extend=5):
 def load_tuned(path=TUNED_PATH):
     path = pathlib.Path(path)
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def tuned_paths(mode):
+    """(the tuned JSON this mode reads and writes, the other budget's, read as a fallback).
+    The best lr depends on the budget (on mnist1d the 4,000-step sweep picked lrs up to 30x
+    smaller than the 400-step one), so each budget keeps its own sweeps."""
+    return (TUNED_FULL_PATH, TUNED_PATH) if mode == "full" else (TUNED_PATH, TUNED_FULL_PATH)
 
 
 # ------------------------------------------------------------------ training loop
@@ -265,11 +281,12 @@ def curve_rows(figure, spec, lr, seed, rows, metrics):
             for r in rows for m in metrics if m in r]
 
 
-def sweep_rows(figure, task, tuned, specs):
-    """The lr grid of each spec as CSV rows (metric ``tuning_val_loss``), from the sweep."""
+def sweep_rows(figure, task, ctx, specs):
+    """The lr grid of each spec as CSV rows (metric ``tuning_val_loss``), from the sweep its
+    lr came from."""
     out = []
     for spec in specs:
-        entry = tuned.get("tasks", {}).get(task, {}).get(spec.label)
+        entry, _ = ctx.tuned_entry(task, spec.label)
         for lr, v in zip(entry["grid"], entry["val"]) if entry else ():
             out.append(dict(figure=figure, optimizer=spec.label, lr=lr, hparams=hparams_json(spec),
                             seed=";".join(map(str, entry["seeds"])), step=-1, wall_s="",

@@ -61,7 +61,7 @@ def classification_figure(ctx, name, title, tensors, model_fn, specs, budget):
     seeds = ctx.seed_list({m: budget[m]["seeds"] for m in C.MODES})
     curves = C.run_curves(ctx, name, name, specs, run_fn, seeds)
     rows = C.all_curve_rows(name, curves, ["train_loss", "val_loss", "val_acc"])
-    rows += C.sweep_rows(name, name, ctx.tuned, specs)
+    rows += C.sweep_rows(name, name, ctx, specs)
     ref = "AdamW" if "AdamW" in curves else "SGD"
     summary = C.summary_rows(name, curves, ref)
 

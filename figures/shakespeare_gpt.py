@@ -106,7 +106,7 @@ def run(ctx):
     seeds = ctx.seed_list({m: BUDGET[m]["seeds"] for m in C.MODES})
     curves = C.run_curves(ctx, NAME, NAME, SPECS, run_fn, seeds)
     rows = C.all_curve_rows(NAME, curves, ["val_loss"])
-    rows += C.sweep_rows(NAME, NAME, ctx.tuned, SPECS)
+    rows += C.sweep_rows(NAME, NAME, ctx, SPECS)
     summary = C.summary_rows(NAME, curves, "AdamW")
     eff = effects(curves)
 

@@ -132,18 +132,38 @@ def test_parallel_sweeps_equal_the_serial_ones(tmp_path):
 def test_summary_names_the_budget_each_task_was_tuned_at():
     text = cli._tuning_modes({"tasks_meta": {"a": {"mode": "full"}, "b": {"mode": "quick"},
                                              "c": {"mode": "full"}}})
-    full, quick = text.split(" Swept at the quick budget")
-    assert "`a`, `c`" in full and "NOT" not in full
-    assert "NOT the `--full` sweep" in quick and "`b`" in quick
+    assert text == "Swept at the full budget: `a`, `c`. Swept at the quick budget: `b`."
 
 
-def test_committed_tuned_json_says_how_it_was_made():
-    record = C.load_tuned()
-    assert record, "figures/tuned_lr.json is missing"
-    assert record["meta"]["how"] and record["meta"]["date"]
+def test_each_budget_reads_its_own_sweeps_and_falls_back_to_the_other():
+    """Quick mode reads tuned_lr.json, --full tuned_lr_full.json; a curve one lacks takes the
+    other's lr, and the lr source says which budget it was tuned at."""
+    assert C.tuned_paths("quick") == (C.TUNED_PATH, C.TUNED_FULL_PATH)
+    assert C.tuned_paths("tiny") == (C.TUNED_PATH, C.TUNED_FULL_PATH)
+    assert C.tuned_paths("full") == (C.TUNED_FULL_PATH, C.TUNED_PATH)
+    entry = lambda lr: {"lr": lr, "grid": [lr], "val": [1.0], "seeds": [100], "edge": False}  # noqa
+    own = {"tasks": {"t": {"A": entry(0.1)}}, "tasks_meta": {"t": {"mode": "quick"}}}
+    other = {"tasks": {"t": {"A": entry(9.0), "B": entry(0.01)}},
+             "tasks_meta": {"t": {"mode": "full"}}}
+    ctx = C.Context(mode="quick", tuned=own, fallback=other)
+    never = lambda lr, seed: pytest.fail("no sweep expected")  # noqa
+    assert ctx.lr_for("t", C.Spec("A", "SGD"), never) == (0.1, "tuned (quick budget)")
+    assert ctx.lr_for("t", C.Spec("B", "SGD"), never) == (0.01, "tuned (full budget)")
+    assert ctx.lr_for("t", C.Spec("C", "SGD"), never)[1] == "UNTUNED grid centre"
+    rows = C.sweep_rows("f", "t", ctx, [C.Spec("B", "SGD")])
+    assert [float(r["lr"]) for r in rows] == [0.01]
+
+
+@pytest.mark.parametrize("path,mode", [(C.TUNED_PATH, "quick"), (C.TUNED_FULL_PATH, "full")])
+def test_committed_tuned_json_says_how_it_was_made(path, mode):
+    record = C.load_tuned(path)
+    assert record, f"{path} is missing"
+    assert record["meta"]["how"] and record["meta"]["date"] and record["meta"]["mode"] == mode
     for task, specs in record["tasks"].items():
         meta = record["tasks_meta"][task]
-        assert meta["command"] and meta["date"] and meta["budget"] and meta["mode"]
+        assert meta["command"] and meta["date"] and meta["budget"] and meta["mode"] == mode
+        if mode == "full":
+            assert "--full" in meta["command"]
         for entry in specs.values():
             assert entry["lr"] in entry["grid"]
 
