@@ -9,6 +9,7 @@ budgets and sweeps every learning rate itself, writing ``figures/tuned_lr_full.j
 import argparse
 import importlib
 import json
+import math
 import pathlib
 import shlex
 import sys
@@ -231,8 +232,11 @@ def write_summary(out, tuned, tuned_now, fallback=None,
                       "|---|---|---|---|---|---|"]
             for r in m["summary"]:
                 frac = "—" if r["fraction"] is None else f"{r['fraction']:.2f}"
+                final = (f"{r['final']:.4g} ± {r['sd']:.2g}" if math.isfinite(r["final"])
+                         else f"diverged in {r['diverged']} of {r['seeds']} seeds"
+                         if "diverged" in r else "diverged (at least one seed)")
                 lines.append(f"| {r['optimizer']} | {C.fmt_lr(r['lr'])} | {r['lr_source']} | "
-                             f"{r['final']:.4g} ± {r['sd']:.2g} | {r['seeds']} | {frac} |")
+                             f"{final} | {r['seeds']} | {frac} |")
             lines.append("")
         lines += [f"- {n}" for n in m.get("notes", [])] + [""]
     (out / "summary.md").write_text("\n".join(lines))

@@ -258,13 +258,15 @@ def summary_rows(task, curves, reference, key="val_loss"):
     out = []
     for label, c in curves.items():
         finals = [rows[-1][key] if rows[-1]["step"] == total else math.inf for rows in c["runs"]]
+        diverged = sum(not math.isfinite(f) for f in finals)
         steps, mean, _ = mean_curve(c["runs"], key)
         hit = steps_to_target(steps, mean, target)
         out.append(dict(task=task, optimizer=label, lr=c["lr"], lr_source=c["source"],
-                        final=float(np.mean(finals)),
-                        sd=float(np.std(finals, ddof=1)) if len(finals) > 1 else 0.0,
-                        seeds=len(finals), fraction=None if hit is None else hit / total,
-                        reference=reference))
+                        final=float(np.mean(finals)) if not diverged else math.inf,
+                        sd=(float(np.std(finals, ddof=1)) if len(finals) > 1 else 0.0)
+                        if not diverged else math.nan,
+                        diverged=diverged, seeds=len(finals),
+                        fraction=None if hit is None else hit / total, reference=reference))
     return out
 
 

@@ -211,6 +211,18 @@ def test_statistics_helpers():
                                                      + (np.var(b, ddof=1) / 3) ** 2 / 2))
 
 
+def test_summary_counts_diverged_seeds_without_warnings(recwarn):
+    """A seed that diverged (its rows stop early) makes the curve's final value inf and is
+    counted; no NaN arithmetic warning on the way."""
+    rows = lambda vals: [dict(step=10 * i, val_loss=v) for i, v in enumerate(vals)]  # noqa
+    curves = {"ref": dict(lr=0.1, source="s", runs=[rows([3, 2, 1]), rows([3, 2, 1.2])]),
+              "hot": dict(lr=1.0, source="s", runs=[rows([3, 1.5, 0.9]), rows([3, 5])])}
+    ref, hot = C.summary_rows("t", curves, "ref")
+    assert ref["diverged"] == 0 and ref["final"] == pytest.approx(1.1)
+    assert hot["diverged"] == 1 and hot["final"] == math.inf and math.isnan(hot["sd"])
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 def test_sweep_extends_an_edge():
     calls = []
     result = C.sweep(1.0, lambda lr, s: calls.append(lr) or (lr - 30.0) ** 2, [0])
