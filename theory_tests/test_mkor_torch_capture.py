@@ -254,3 +254,23 @@ def test_tensor_grad_hooks_match_module_hooks_and_allow_inplace_successors():
     model(torch.randn(5, 3, dtype=f64)).sum().backward()
     for name, layer in (("0", model[0]), ("2", model[2])):
         assert torch.allclose(mkor.pending_vectors()[name][1], layer.bias.grad, rtol=0, atol=1e-12)
+
+
+def test_default_hooks_leave_steps_without_capture_untouched():
+    """grad_hook="tensor" (the default) adds nothing to the autograd graph on a step that
+    captures no statistics; "module" wraps every forward in BackwardHookFunction."""
+    x = torch.randn(4, 3, dtype=f64)
+    kinds = {}
+    for mode in ("tensor", "module"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 2)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mkor = MKOR(model, opt, inv_freq=10, factor_dtype="float64", grad_hook=mode)
+        model(x).sum().backward()  # step 0 captures
+        mkor.step()
+        opt.zero_grad()
+        assert not mkor.factor_update_due()
+        y = model(x)
+        kinds[mode] = (type(y.grad_fn).__name__, bool(y._backward_hooks))
+    assert kinds["tensor"] == ("AddmmBackward0", False)
+    assert kinds["module"][0] == "BackwardHookFunctionBackward"

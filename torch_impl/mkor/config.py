@@ -89,7 +89,7 @@ class MKOROptions:
     grad_accum_steps: int = None
     grad_scale: float = 1.0
     skip_modules: tuple = ()
-    grad_hook: str = "module"
+    grad_hook: str = "tensor"
     hybrid_switch: str = None
     switch_window: int = 50
     switch_check_every: int = 10

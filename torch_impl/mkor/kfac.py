@@ -82,7 +82,7 @@ class KFAC(HookedLayers):
 
     def __init__(self, model, optimizer, *, inv_freq=10, factor_freq=1, damping=1e-3,
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
-                 grad_hook="module", process_group=None):
+                 grad_hook="tensor", process_group=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer")
         for name, value in (("inv_freq", inv_freq), ("factor_freq", factor_freq)):

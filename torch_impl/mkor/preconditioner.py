@@ -93,9 +93,11 @@ class MKOR(HookedLayers):
         grad_scale: loss scale of mixed-precision training; g_bar is divided by it
             (K5). Update with :meth:`set_grad_scale` (a tensor avoids any sync).
         skip_modules: glob patterns of module names to leave to the backbone.
-        grad_hook: "module" (default, ``register_full_backward_hook``) or "tensor" (a
-            hook on each output tensor; needed when a layer's output is modified in
-            place, e.g. by ``ReLU(inplace=True)``, which full backward hooks forbid).
+        grad_hook: "tensor" (default: a forward hook attaches a gradient hook to the
+            output only on steps that capture statistics, so other steps run the plain
+            autograd graph, and in-place successors such as ``ReLU(inplace=True)`` work)
+            or "module" (``register_full_backward_hook``, the kfac-pytorch convention:
+            the same vectors, but every forward goes through the hook machinery).
         hybrid_switch: None or "loss_rate" (MKOR-H, K18) with ``switch_window``,
             ``switch_check_every``, ``switch_threshold``, ``switch_patience``.
         switch_step: switch to the backbone for good at step k (MKOR-H).
@@ -119,7 +121,7 @@ class MKOR(HookedLayers):
                  first_update=None, rescale=None, factor_dtype=None, average=None,
                  comm_dtype=None, precondition_dtype=None, warmup_steps=0,
                  grad_accum_steps=None, grad_scale=1.0,
-                 skip_modules=(), grad_hook="module", hybrid_switch=None,
+                 skip_modules=(), grad_hook="tensor", hybrid_switch=None,
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, process_group=None,
                  comm_overlap=False):
