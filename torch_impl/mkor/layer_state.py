@@ -114,9 +114,8 @@ def precondition_layer(layer, s, o, workspace=None):
         grad_b = (bias.grad.to(cd) if bias.grad is not None
                   else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
     pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
-    d_out, d_in = layer.d_out, layer.d_in  # d_in counts the bias column
-    work = None if workspace is None else workspace.views(
-        [(d_out, d_in), (d_out, d_in - layer.has_bias)], pd, grad_W.device)
+    shape = (layer.d_out, layer.d_in - layer.has_bias)  # d_in counts the bias column
+    work = None if workspace is None else workspace.views([shape, shape], pd, grad_W.device)
     delta_W, delta_b = precondition(s["L_inv"].to(pd), s["R_inv"].to(pd), grad_W.to(pd),
                                     None if grad_b is None else grad_b.to(pd), work)
     if pd != cd:
