@@ -92,8 +92,9 @@ def main(argv=None):
             ctx.tuned.setdefault("tasks_meta", {})[task] = dict(mode=mode)
             ctx.swept[task] = entries
             record(task)
-        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)  # kept if the
-        ctx.tune = False  # figure runs below are cut short; they use the values just swept
+        # written now, so the sweeps survive if the figure runs below are cut short
+        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+        ctx.tune = False  # the figures below use the values just swept
     for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.{name}")
@@ -121,6 +122,7 @@ def parallel_sweeps(args, mode, names):
     ``python -m figures --sweep-only`` subprocess, ``args.jobs`` at a time. The sweeps are
     the serial ones (same grids, tuning seeds and scores); returns {task: {label: sweep}}."""
     import concurrent.futures
+    import shutil
     import subprocess
     import tempfile
 
@@ -151,7 +153,6 @@ def parallel_sweeps(args, mode, names):
             swept.setdefault(name, {})[label] = entry
             print(f"[sweep {k}/{len(work)}] {name} / {label}: lr {entry['lr']:.3g}"
                   f"{' (on the edge)' if entry['edge'] else ''} ({seconds:.0f} s)", flush=True)
-    import shutil
     shutil.rmtree(tmp, ignore_errors=True)
     return {name: dict(sorted(entries.items())) for name, entries in swept.items()}
 
