@@ -38,16 +38,15 @@ class Workspace:
         self._buffers = {}
 
     def views(self, shapes, dtype, device):
-        """One view per shape (at most two), each on its own buffer."""
-        sizes = [math.prod(shape) for shape in shapes]
-        key = (dtype, torch.device(device))
-        bufs = self._buffers.get(key, ())
-        if len(bufs) < len(sizes) or any(b.numel() < n for b, n in zip(bufs, sizes)):
-            old = [b.numel() for b in bufs] + [0] * (2 - len(bufs))
-            bufs = self._buffers[key] = tuple(
-                torch.empty(max(n, o), dtype=dtype, device=device)
-                for n, o in zip(sizes + [0] * (2 - len(sizes)), old))
-        return tuple(b[:n].view(shape) for b, n, shape in zip(bufs, sizes, shapes))
+        """One view per shape (at most two), each on its own buffer, grown when too small."""
+        bufs = self._buffers.setdefault((dtype, torch.device(device)), [None, None])
+        out = []
+        for i, shape in enumerate(shapes):
+            n = math.prod(shape)
+            if bufs[i] is None or bufs[i].numel() < n:
+                bufs[i] = torch.empty(n, dtype=dtype, device=device)
+            out.append(bufs[i][:n].view(shape))
+        return tuple(out)
 
 
 def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
