@@ -113,7 +113,7 @@ def test_switch_happens_once_and_survives_a_checkpoint():
         opt.zero_grad()
     assert mkor.switched and mkor.steps == 4 and mkor.switch_rule.switched_at == 4
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "mkor": mkor.state_dict(include_optimizer=True)},
+    torch.save({"model": model.state_dict(), "mkor": mkor.state_dict()},
                buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)

@@ -73,7 +73,8 @@ def main(argv=None):
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     loss_sum = loss.detach().reshape(1)
     dist.all_reduce(loss_sum)
-    kfac_bytes = KFAC(copy.deepcopy(model), torch.optim.SGD(model.parameters())).payload_bytes
+    twin = copy.deepcopy(model)  # a K-FAC on a copy, only to read its payload size
+    kfac_bytes = KFAC(twin, torch.optim.SGD(twin.parameters())).payload_bytes
     result = {"loss": loss_sum.item() / world, "factors_identical": bool(same.item()),
               "payload_bytes": mkor.payload_bytes, "kfac_payload_bytes": kfac_bytes,
               "communicated_bytes": mkor.communicated_bytes}

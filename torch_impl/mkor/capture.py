@@ -1,34 +1,44 @@
-r"""Module discovery and activation / output-gradient hooks (spec MKOR.md K1-K6).
+r"""Activation / output-gradient hooks (spec MKOR.md K2-K6).
 
-Discovery: every ``nn.Linear`` (including subclasses such as the
-``NonDynamicallyQuantizableLinear`` out-projection of ``nn.MultiheadAttention``, any
-number of leading input dimensions) and every ``nn.Conv2d`` with ``groups == 1``.
-Parameters of all other modules stay with the backbone optimizer untouched.
+Hooks (kfac-pytorch pattern) capture a layer's statistics only when the module is in
+training mode, grad is enabled and the owner's schedule says so (K2). The rows come from
+the layer's :class:`~.layers.LayerType`; the owner's ``input_stat`` / ``grad_stat`` turn
+them into additive statistics, summed over every forward + backward until :meth:`reset`.
 
-Hooks (kfac-pytorch pattern): a ``register_forward_pre_hook`` records the input
-statistic and a ``register_full_backward_hook`` the output-gradient statistic. Both
-capture only when the module is in training mode and the owner's schedule says so;
-the forward hook additionally needs ``torch.is_grad_enabled()`` (K2). Input
-statistics wait in a per-module stack until their backward arrives, so forwards
-without a backward (e.g. a validation pass left in train mode) are dropped at the
-next reset instead of polluting a_bar. PyTorch forbids modifying the output of a
-module with a full backward hook in place (e.g. ``Linear`` then
-``ReLU(inplace=True)``); ``grad_hook="tensor"`` hooks the output tensor instead.
+**Pairing.** With ``grad_hook="tensor"`` (default) one forward hook computes the input
+statistic and attaches a gradient hook to *that forward's output* carrying it, so every
+output gradient is paired with exactly the forward that produced it: a train-mode forward
+that is never back-propagated (a metric, a discarded branch) contributes nothing, and a
+layer used twice in one graph contributes both uses. ``grad_hook="module"`` uses
+``register_full_backward_hook``, which sees gradients per module, not per forward: inputs
+wait on a stack, and a forward left without its backward makes the pairing ambiguous, so
+:meth:`Capture.unpaired` reports it and the owner raises.
 
-``nn.MultiheadAttention`` never calls its ``out_proj`` module (it passes the weight
-to ``F.multi_head_attention_forward``), so out-projections are captured through the
-parent: a forward hook on the attention module reads the projection's input from
-the autograd node that multiplies by ``out_proj.weight``, and the parent's backward
-hook supplies the output gradient.
+**Stale statistics.** A layer whose ``weight.grad`` is None when it is captured starts a
+new accumulation cycle: statistics committed earlier (a batch whose step was skipped, e.g.
+by ``GradScaler`` on overflow, followed by ``zero_grad()``) are dropped, so they can never
+leak into a later step. (Gradients zeroed in place, ``set_to_none=False``, cannot be told
+apart from accumulation: call the preconditioner's own ``zero_grad`` then.)
+
+**Token masks.** With a (B, T) boolean mask set (from the model's ``attention_mask``
+keyword, or :meth:`Capture.token_mask`), the rows of every layer whose leading shape is
+(B, T) are selected by it, so padded positions never enter the statistics.
+
+**Precision.** Statistics are computed with autocast disabled, in the rows' dtype promoted
+to float32, so a bf16 forward never produces bf16 factors.
+
+``nn.MultiheadAttention`` never calls its ``out_proj`` module (it passes the weight to
+``F.multi_head_attention_forward``), so out-projections are captured through the parent:
+a forward hook on the attention module reads the projection's input from the autograd node
+that multiplies by ``out_proj.weight``, and the attention output's gradient supplies g.
 """
-import fnmatch
+import contextlib
 import warnings
+import weakref
 
 import torch
-import torch.nn as nn
 
-__all__ = ["Layer", "Capture", "discover", "unwrap_model", "conv_input"]
-
+__all__ = ["Capture", "HookedLayers"]
 
 
 def _silence_first_layer_warning():
@@ -39,87 +49,6 @@ def _silence_first_layer_warning():
     warnings.filterwarnings(
         "ignore", message="Full backward hook is firing when gradients are computed with "
         "respect to module outputs", category=UserWarning)
-
-
-class Layer:
-    """A preconditioned module: its name, kind ("linear", "conv2d", "mha_out"), module."""
-
-    def __init__(self, name, module, kind, parent=None):
-        self.name = name
-        self.module = module
-        self.kind = kind
-        self.parent = parent  # the nn.MultiheadAttention owning an "mha_out" layer
-        self.has_bias = module.bias is not None
-
-    @property
-    def d_out(self):
-        return self.module.weight.shape[0]
-
-    @property
-    def d_in(self):
-        """d_in' = columns of [W.view(d_out, -1) | b]."""
-        return self.module.weight[0].numel() + int(self.has_bias)
-
-    def __repr__(self):
-        return f"Layer({self.name!r}, {self.kind}, d_out={self.d_out}, d_in'={self.d_in})"
-
-
-def unwrap_model(model):
-    """Strip DistributedDataParallel / DataParallel wrappers (their ``module.`` prefix)."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
-
-
-def _kind(module):
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, nn.Conv2d) and module.groups == 1:
-        return "conv2d"
-    return None
-
-
-def _matches(name, patterns):
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def discover(model, skip=()):
-    """Find the preconditioned layers of ``model``.
-
-    Args:
-        model: any ``nn.Module`` (DDP / DataParallel wrappers are unwrapped).
-        skip: glob patterns of module names to leave to the backbone (the released
-            code's ``sgd_layers``).
-
-    Returns:
-        (layers, skipped): a list of :class:`Layer`, and the names of modules that own
-        parameters but are not preconditioned (unsupported type or skipped by name).
-    """
-    model = unwrap_model(model)
-    layers, skipped = [], []
-    mha_parent = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.MultiheadAttention):
-            mha_parent[id(module.out_proj)] = module
-    for name, module in model.named_modules():
-        own_params = any(True for _ in module.parameters(recurse=False))
-        kind = _kind(module)
-        if kind is None or _matches(name, skip) or not module.weight.requires_grad:
-            if own_params:
-                skipped.append(name)
-            continue
-        parent = mha_parent.get(id(module))
-        layers.append(Layer(name, module, "mha_out" if parent is not None else kind, parent))
-    return layers, skipped
-
-
-def conv_input(module, x):
-    """(x, padding) as the convolution sees them: string paddings ('same', 'valid')
-    and non-zero padding modes are applied explicitly, like ``Conv2d._conv_forward``."""
-    if isinstance(module.padding, str) or module.padding_mode != "zeros":
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        return nn.functional.pad(x, module._reversed_padding_repeated_twice, mode=mode), 0
-    return x, module.padding
 
 
 def _reaches(fn, weight, depth=3):
@@ -160,17 +89,22 @@ def _find_matmul_input(output, weight, max_nodes=64):
     return None
 
 
+def _first_tensor(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
 class _Stats:
     """Accumulated statistics of one layer since the last reset."""
 
-    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_calls")
+    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count")
 
     def __init__(self):
-        self.pending = []
-        self.a_sum = None
-        self.a_count = 0
-        self.g_sum = None
-        self.g_calls = 0
+        self.pending = []  # grad_hook="module": (input statistic, mask) awaiting a gradient
+        self.a_sum = self.g_sum = None
+        self.a_count = self.g_count = 0
 
 
 def _add(total, x):
@@ -181,26 +115,24 @@ class Capture:
     """Hooks that accumulate per-layer statistics between resets.
 
     Args:
-        layers: the :class:`Layer` list from :func:`discover`.
+        layers: the :class:`~.discovery.Layer` list.
         should_capture: ``callable() -> bool``, the owner's schedule (pure Python, no
             tensor reads), consulted in every hook.
-        input_stat: ``callable(layer, x) -> (tensor, count)``, additive input statistic
-            of one forward (x: the layer's input; for an MHA out-projection, the
-            (N, d_in) rows the projection multiplies).
-        grad_stat: ``callable(layer, g) -> tensor``, additive statistic of one output
-            gradient (g: (..., d_out) rows for Linear / MHA, 4-D for Conv2d).
-        grad_hook: ``"tensor"`` (default): a forward hook attaches a gradient hook to the
-            output tensor, only when the schedule captures, so other steps pay nothing;
-            it sees the gradient of the pre-modification value and works with in-place
-            successors. ``"module"``: ``register_full_backward_hook``, which wraps every
-            forward (about 2 % of an SGD step on the 4 x Linear(1024) benchmark, 1 thread)
-            and which PyTorch forbids before an in-place op (``ReLU(inplace=True)``).
+        input_stat: ``callable(layer, rows, mask) -> (tensor, count)``: additive statistic
+            of one forward's input rows ``(*lead, d_in)``; ``mask`` is None or a bool tensor
+            of shape ``lead``.
+        grad_stat: ``callable(layer, rows, mask) -> (tensor, count)``: the same for the
+            output-gradient rows ``(*lead, d_out)``.
+        grad_hook: ``"tensor"`` (default) or ``"module"`` (module docstring).
+        model: the top-level module; with ``mask_kwarg`` its forward keyword of that name
+            (a 2-D tensor, nonzero = real token) becomes the token mask of that forward.
 
-    After a backward, :meth:`stats` returns ``(a_sum, a_count, g_sum, g_calls)`` per
-    layer name for layers that saw at least one complete forward + backward.
+    After a backward, :meth:`stats` returns ``(a_sum, a_count, g_sum, g_count)`` per layer
+    name for layers that saw at least one complete forward + backward.
     """
 
-    def __init__(self, layers, should_capture, input_stat, grad_stat, grad_hook="tensor"):
+    def __init__(self, layers, should_capture, input_stat, grad_stat, grad_hook="tensor",
+                 model=None, mask_kwarg=None):
         if grad_hook not in ("module", "tensor"):
             raise ValueError(f"grad_hook must be 'module' or 'tensor', got {grad_hook!r}")
         self.grad_hook = grad_hook
@@ -208,47 +140,95 @@ class Capture:
         self.should_capture = should_capture
         self.input_stat = input_stat
         self.grad_stat = grad_stat
+        self.model, self.mask_kwarg = model, mask_kwarg
         self._stats = {layer.name: _Stats() for layer in self.layers}
         self._handles = []
         self._warned = set()  # layers already warned about (once each)
+        self._explicit_mask = None  # set by token_mask(); wins over the keyword
+        self._forward_mask = None   # from the model's mask keyword, during its forward
 
-    # -- hooks ---------------------------------------------------------------------
+    # -- token masks -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def token_mask(self, mask):
+        """Within the block, rows whose leading shape equals ``mask.shape`` are selected
+        by ``mask`` (nonzero = keep)."""
+        previous, self._explicit_mask = self._explicit_mask, _as_bool(mask)
+        try:
+            yield
+        finally:
+            self._explicit_mask = previous
+
+    def _mask(self):
+        return self._explicit_mask if self._explicit_mask is not None else self._forward_mask
+
+    def _model_pre_hook(self, module, args, kwargs):
+        value = kwargs.get(self.mask_kwarg)
+        self._forward_mask = (_as_bool(value) if isinstance(value, torch.Tensor)
+                              and value.dim() == 2 else None)
+
+    def _model_post_hook(self, module, args, kwargs, output):
+        self._forward_mask = None
+
+    # -- hooks -----------------------------------------------------------------------
     def _active(self, module):
-        return module.training and self.should_capture()
+        return module.training and torch.is_grad_enabled() and self.should_capture()
 
-    def _push_input(self, layer, x):
-        with torch.no_grad():
-            self._stats[layer.name].pending.append(self.input_stat(layer, x.detach()))
-
-    def _pop_grad(self, layer, g):
+    def _start(self, layer):
+        """A capture begins: drop statistics of an earlier, zeroed gradient cycle."""
         st = self._stats[layer.name]
-        if not st.pending:  # the matching forward was not captured
-            return
-        a_stat, count = st.pending.pop()
-        with torch.no_grad():
-            g_stat = self.grad_stat(layer, g.detach())
-        st.a_sum, st.a_count = _add(st.a_sum, a_stat), st.a_count + count
-        st.g_sum, st.g_calls = _add(st.g_sum, g_stat), st.g_calls + 1
+        if st.g_sum is not None and layer.module.weight.grad is None:
+            st.a_sum = st.g_sum = None
+            st.a_count = st.g_count = 0
 
-    def _grad_hook(self, layer):
-        """Tensor hook for ``grad_hook="tensor"``: fires with d loss / d output."""
+    def _input(self, layer, rows, mask):
+        mask = mask if mask is not None and rows.shape[:-1] == mask.shape else None
+        with torch.no_grad(), torch.autocast(rows.device.type, enabled=False):
+            return self.input_stat(layer, rows.detach(), mask), mask
+
+    def _commit(self, layer, a_stat, mask, g_rows):
+        with torch.no_grad(), torch.autocast(g_rows.device.type, enabled=False):
+            g_stat, g_count = self.grad_stat(layer, g_rows.detach(), mask)
+        st = self._stats[layer.name]
+        (a, a_count) = a_stat
+        st.a_sum, st.a_count = _add(st.a_sum, a), st.a_count + a_count
+        st.g_sum, st.g_count = _add(st.g_sum, g_stat), st.g_count + g_count
+        self._committed(layer)
+
+    def _captured(self, layer):
+        """Called when a forward's input statistic is recorded (for subclasses)."""
+
+    def _committed(self, layer):
+        """Called when a forward's statistics are complete (for subclasses)."""
+
+    def _tensor_hook(self, layer, a_stat, mask, to_rows):
         def hook(grad):
-            self._pop_grad(layer, grad)
+            self._commit(layer, a_stat, mask, to_rows(grad))
         return hook
 
-    def _make_hooks(self, layer):
-        """(module, forward-pre hook, forward hook, full backward hook) of ``layer``."""
-        tensor_mode = self.grad_hook == "tensor"
+    def _mha_rows(self, layer, y, out):
+        """(input rows, function grad -> rows) of an MHA out-projection, both with leading
+        shape (B, T) for a batched input: F.multi_head_attention_forward multiplies the
+        (T*B, E) rows in (T, B) order."""
+        parent = layer.parent
+        if out.dim() != 3:
+            return y, lambda g: g
+        B, T = (out.shape[0], out.shape[1]) if parent.batch_first else (out.shape[1],
+                                                                        out.shape[0])
+        rows = y.reshape(T, B, -1).transpose(0, 1)
+        if parent.batch_first:
+            return rows, lambda g: g
+        return rows, lambda g: g.transpose(0, 1)
 
-        def backward_hook(module, grad_input, grad_output):
-            if module.training and grad_output[0] is not None:
-                self._pop_grad(layer, grad_output[0])
+    def _make_hooks(self, layer):
+        """[(target module, kind, hook)] for ``layer``."""
+        tensor_mode = self.grad_hook == "tensor"
+        module = layer.module
 
         if layer.kind == "mha_out":
-            weight = layer.module.weight
+            weight = module.weight
 
-            def forward_hook(module, inputs, output):
-                if not (self._active(module) and torch.is_grad_enabled()):
+            def mha_hook(parent, args, kwargs, output):
+                if not self._active(parent):
                     return
                 out = output[0] if isinstance(output, tuple) else output
                 y = _find_matmul_input(out, weight) if out.grad_fn is not None else None
@@ -260,26 +240,48 @@ class Capture:
                                       "layer keeps its current factors (it is listed in "
                                       "preconditioned_modules)", RuntimeWarning)
                     return
-                self._push_input(layer, y.reshape(-1, y.shape[-1]))
+                self._start(layer)
+                rows, grad_rows = self._mha_rows(layer, y, out)
+                a_stat, mask = self._input(layer, rows, self._mask())
+                self._captured(layer)
                 if tensor_mode:
-                    out.register_hook(self._grad_hook(layer))
+                    out.register_hook(self._tensor_hook(layer, a_stat, mask, grad_rows))
+                else:
+                    self._stats[layer.name].pending.append((a_stat, mask, grad_rows))
 
-            return layer.parent, None, forward_hook, None if tensor_mode else backward_hook
+            hooks = [(layer.parent, "forward", mha_hook)]
+            if not tensor_mode:
+                hooks.append((layer.parent, "backward", self._module_backward(layer)))
+            return hooks
 
-        def pre_hook(module, inputs):
-            if not (self._active(module) and torch.is_grad_enabled()):
+        def forward_hook(module, args, kwargs, output):
+            if not (self._active(module) and isinstance(output, torch.Tensor)
+                    and output.requires_grad):
                 return
-            self._push_input(layer, inputs[0])
+            x = _first_tensor(args, kwargs)
+            if x is None:
+                return
+            self._start(layer)
+            a_stat, mask = self._input(layer, layer.type.input_rows(module, x), self._mask())
+            self._captured(layer)
+            grad_rows = lambda g: layer.type.grad_rows(module, g)  # noqa: E731
+            if tensor_mode:
+                output.register_hook(self._tensor_hook(layer, a_stat, mask, grad_rows))
+            else:
+                self._stats[layer.name].pending.append((a_stat, mask, grad_rows))
 
-        def output_hook(module, inputs, output):
-            # Same test as pre_hook (nothing in between changes it), so a tensor hook is
-            # attached exactly when an input statistic was pushed.
-            if self._active(module) and torch.is_grad_enabled() and output.requires_grad:
-                output.register_hook(self._grad_hook(layer))
+        hooks = [(module, "forward", forward_hook)]
+        if not tensor_mode:
+            hooks.append((module, "backward", self._module_backward(layer)))
+        return hooks
 
-        if tensor_mode:
-            return layer.module, pre_hook, output_hook, None
-        return layer.module, pre_hook, None, backward_hook
+    def _module_backward(self, layer):
+        def backward_hook(module, grad_input, grad_output):
+            st = self._stats[layer.name]
+            if module.training and grad_output[0] is not None and st.pending:
+                a_stat, mask, grad_rows = st.pending.pop()
+                self._commit(layer, a_stat, mask, grad_rows(grad_output[0]))
+        return backward_hook
 
     def register(self):
         """Install the hooks (idempotent)."""
@@ -287,13 +289,17 @@ class Capture:
             return
         _silence_first_layer_warning()
         for layer in self.layers:
-            target, pre_hook, forward_hook, backward_hook = self._make_hooks(layer)
-            if pre_hook is not None:
-                self._handles.append(target.register_forward_pre_hook(pre_hook))
-            if forward_hook is not None:
-                self._handles.append(target.register_forward_hook(forward_hook))
-            if backward_hook is not None:
-                self._handles.append(target.register_full_backward_hook(backward_hook))
+            for target, kind, hook in self._make_hooks(layer):
+                if kind == "forward":
+                    handle = target.register_forward_hook(hook, with_kwargs=True)
+                else:
+                    handle = target.register_full_backward_hook(hook)
+                self._handles.append(handle)
+        if self.model is not None and self.mask_kwarg is not None:
+            self._handles.append(self.model.register_forward_pre_hook(
+                self._model_pre_hook, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(
+                self._model_post_hook, with_kwargs=True))
 
     def remove(self):
         """Remove every hook and drop all statistics."""
@@ -306,23 +312,43 @@ class Capture:
     def registered(self):
         return bool(self._handles)
 
-    # -- statistics ----------------------------------------------------------------
+    # -- statistics ------------------------------------------------------------------
     def reset(self):
         """Drop accumulated and pending statistics (called after every step)."""
         for name in self._stats:
             self._stats[name] = _Stats()
 
     def stats(self, name):
-        """(a_sum, a_count, g_sum, g_calls) of layer ``name``, or None if incomplete."""
+        """(a_sum, a_count, g_sum, g_count) of layer ``name``, or None if incomplete."""
         st = self._stats[name]
         if st.a_sum is None or st.g_sum is None:
             return None
-        return st.a_sum, st.a_count, st.g_sum, st.g_calls
+        return st.a_sum, st.a_count, st.g_sum, st.g_count
+
+    def unpaired(self):
+        """Names of layers holding forwards that never received a gradient
+        (``grad_hook="module"`` only; the tensor mode pairs exactly)."""
+        return [name for name, st in self._stats.items() if st.pending]
+
+
+def _as_bool(mask):
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def weak_schedule(method):
+    """A ``should_capture`` callable that holds its owner weakly: hooks left behind by a
+    preconditioner that was garbage-collected capture nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def schedule():
+        bound = ref()
+        return bound is not None and bound()
+    return schedule
 
 
 class HookedLayers:
     """Introspection shared by the hook-based preconditioners (``MKOR``, ``KFAC``), which keep
-    ``_layers`` (from :func:`discover`), ``_skipped`` and a ``_steps`` counter."""
+    ``_layers``, ``_skipped`` ({name: reason}) and a ``_steps`` counter."""
 
     @property
     def preconditioned_modules(self):
@@ -333,6 +359,11 @@ class HookedLayers:
     def skipped_modules(self):
         """Names of modules with parameters that go to the backbone unpreconditioned."""
         return list(self._skipped)
+
+    @property
+    def skip_reasons(self):
+        """{module name: why it is not preconditioned}."""
+        return dict(self._skipped)
 
     @property
     def steps(self):

@@ -96,6 +96,8 @@ class MKOROptions:
     switch_threshold: float = 1e-3
     switch_patience: int = 3
     switch_step: int = None
+    max_factor_dim: int = 8192
+    token_mask: str = "attention_mask"
 
     def __post_init__(self):
         if self.variant not in _CHOICES["variant"]:
@@ -139,6 +141,14 @@ class MKOROptions:
         if not _is_real(self.switch_threshold):
             raise ValueError(
                 f"switch_threshold must be a finite number, got {self.switch_threshold!r}")
+        if self.max_factor_dim is not None and not (
+                _is_int(self.max_factor_dim) and self.max_factor_dim >= 1):
+            raise ValueError(
+                f"max_factor_dim must be None or an int >= 1, got {self.max_factor_dim!r}")
+        if self.token_mask is not None and not (
+                isinstance(self.token_mask, str) and self.token_mask.isidentifier()):
+            raise ValueError(
+                f"token_mask must be None or a keyword name, got {self.token_mask!r}")
         if self.switch_step is not None and not (
                 _is_int(self.switch_step) and self.switch_step >= 0):
             raise ValueError(f"switch_step must be None or an int >= 0, got {self.switch_step!r}")

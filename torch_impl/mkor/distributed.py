@@ -217,12 +217,12 @@ class VectorExchange:
             self._inflight = None
 
 
-def mean_over_ranks(value, device, group=None):
-    """The mean of a Python float over the ranks (one scalar all-reduce; the caller has
-    already synchronised to produce the float). Identical on every rank."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+def mean_over_ranks(values, device, group=None):
+    """The mean of each of a list of Python floats over the ranks (one all-reduce; the
+    caller has already synchronised to produce the floats). Identical on every rank."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.item() / world_size(group)
+    return (t / world_size(group)).tolist()
 
 
 class OverlapCapture(Capture):
@@ -240,18 +240,14 @@ class OverlapCapture(Capture):
         self.outstanding = 0
         self.commits = 0
 
-    def _push_input(self, layer, x):
-        super()._push_input(layer, x)
+    def _captured(self, layer):
         self.outstanding += 1
 
-    def _pop_grad(self, layer, g):
-        before = len(self._stats[layer.name].pending)
-        super()._pop_grad(layer, g)
-        if len(self._stats[layer.name].pending) < before:
-            self.outstanding -= 1
-            self.commits += 1
-            if self.outstanding == 0:
-                self.on_backward_done()
+    def _committed(self, layer):
+        self.outstanding -= 1
+        self.commits += 1
+        if self.outstanding == 0:
+            self.on_backward_done()
 
     def reset(self):
         super().reset()

@@ -223,6 +223,8 @@ def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):
     d_out = grad_W.shape[0]
     G = grad_W.reshape(d_out, -1)
     X, D = work if work is not None else (None, None)
+    if L_inv is None or R_inv is None:  # a side left at the identity (size guard)
+        return _one_sided(L_inv, R_inv, G, grad_b, D, grad_W.shape)
     if grad_b is None:
         X = torch.mm(G, R_inv, out=X)
         return torch.mm(L_inv, X, out=D).reshape(grad_W.shape), None
@@ -235,6 +237,20 @@ def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):
     x_b = torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])
     return (torch.mm(L_inv, X, out=D).reshape(grad_W.shape),
             (L_inv @ x_b).reshape(grad_b.shape))
+
+
+def _one_sided(L_inv, R_inv, G, grad_b, out, shape):
+    """precondition() with one factor the identity: L^{-1} Ghat or Ghat R^{-1}."""
+    if L_inv is None and R_inv is None:
+        return G.clone().reshape(shape), None if grad_b is None else grad_b.clone()
+    if R_inv is None:
+        return (torch.mm(L_inv, G, out=out).reshape(shape),
+                None if grad_b is None else L_inv @ grad_b.reshape(-1))
+    d = G.shape[1]
+    if grad_b is None:
+        return torch.mm(G, R_inv, out=out).reshape(shape), None
+    W = torch.mm(G, R_inv[:d, :d], out=out).addr_(grad_b.reshape(-1), R_inv[d, :d])
+    return W.reshape(shape), torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])
 
 
 def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):

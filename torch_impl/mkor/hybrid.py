@@ -19,7 +19,9 @@ caller's host synchronisation, never the preconditioner's.
 """
 import math
 
-__all__ = ["LossRateSwitch"]
+import torch
+
+__all__ = ["LossRateSwitch", "LossFeed"]
 
 
 def _check_int(name, value, minimum):
@@ -110,3 +112,71 @@ class LossRateSwitch:
         self.switched_at = state["switched_at"]
         self.rates = [tuple(r) for r in state["rates"]]
         self._recent = list(state["recent"])
+
+
+class LossFeed:
+    """How MKOR-H's rule gets its losses without a host sync on every step.
+
+    Losses arrive as tensors or numbers: from :meth:`MKOR.step` (``loss=`` or a closure),
+    from :meth:`MKOR.observe_loss`, or tapped from the model's output (a ``ModelOutput`` or
+    dict with a scalar ``loss``, as every transformers model returns; the mean over the
+    micro-batches of a step). Tensors wait in a buffer until the rule can act, i.e. until
+    the next loss completes a multiple of ``check_every``; then one ``tolist()`` reads them
+    all (one synchronisation per ``check_every`` steps, and, distributed, one all-reduce for
+    the mean over ranks). The rule only decides at those steps, so its decisions, rates and
+    switch step are those of feeding every loss at once.
+    """
+
+    def __init__(self, rule, reduce=None):
+        self.rule = rule
+        self.reduce = reduce  # callable(list of floats) -> list of floats, or None
+        self.buffer = []      # losses not yet fed to the rule
+        self.tapped = []      # this step's losses read from the model output
+
+    def tap(self, output):
+        """Forward hook body: keep a scalar ``loss`` of the model's output."""
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            self.tapped.append(loss.detach())
+
+    def take_tapped(self):
+        """The mean of this step's tapped losses (a tensor), or None; clears them."""
+        tapped, self.tapped = self.tapped, []
+        if not tapped:
+            return None
+        return tapped[0] if len(tapped) == 1 else torch.stack(
+            [t.to(tapped[0].device, torch.float64) for t in tapped]).mean()
+
+    def push(self, loss):
+        """Buffer one step's loss; returns True when the rule should now be fed."""
+        self.buffer.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        return (self.rule.t + len(self.buffer)) % self.rule.check_every == 0
+
+    def flush(self):
+        """Feed the buffered losses to the rule; returns whether it switched."""
+        values, self.buffer = self.buffer, []
+        if not values:
+            return self.rule.switched
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if tensors:  # one read for all of them
+            read = iter(torch.stack([t.to(tensors[0].device, torch.float64)
+                                     for t in tensors]).tolist())
+            values = [next(read) if isinstance(v, torch.Tensor) else v for v in values]
+        if self.reduce is not None:
+            values = self.reduce(values)
+        for value in values:
+            if self.rule.observe(value):
+                return True
+        return False
+
+    def drop(self):
+        """Forget this step's tapped losses (a skipped step)."""
+        self.tapped = []
+
+    def state_dict(self):
+        buffered = [float(v) for v in self.buffer]
+        return {"buffer": buffered}
+
+    def load_state_dict(self, state):
+        self.buffer = list(state.get("buffer", []))
+        self.tapped = []

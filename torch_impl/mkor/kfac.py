@@ -20,6 +20,18 @@ Conv2d rows are the unfolded patches (B L rows) with N = B samples, so
 G = (1/B) \sum_{b,l} (B g_{b,l})(B g_{b,l})^T (the KFC approximation).
 This is the method MKOR replaces: it *does* call ``eigh`` / ``inv``.
 
+With gradient accumulation the rows of every micro-batch add up: A is the mean of
+a_i a_i^T over all rows and G = N \sum_i g_i g_i^T with N the samples of *all*
+micro-batches, so k micro-batches of a loss divided by k give the full batch's factors.
+A token mask keeps padded rows out of both (N counts real tokens). Under a loss scale s
+(``GradScaler``), G is divided by s^2.
+
+Robustness: a factor update with a non-finite statistic is refused and counted
+(``skipped_updates``), so one overflowing batch never poisons the factors; a failed
+decomposition is retried in float64, then with 10x, 100x, 1000x the damping added to the
+factor, and if all fail the previous decomposition is kept (``decomposition_failures``);
+statistics are float32 under autocast.
+
 Distributed (the baseline MKOR's O(d) claim is measured against): on a factor-update step
 every rank all-reduces the *full* batch factors A_new and G_new of every layer in one flat
 buffer (:class:`~.distributed.Packet`, mean taken once), then applies the same EMA and
@@ -27,45 +39,77 @@ decomposition, so :attr:`KFAC.payload_bytes` = (sum_m (d_in'^2 + d_out^2) + #bia
 layers) x itemsize: O(d^2) per layer. (KAISA can also send inverses or shard the work;
 this baseline replicates everything, like MKOR.)
 """
+import warnings
+
 import torch
 
-from .capture import Capture, HookedLayers, conv_input, discover, unwrap_model
+from .capture import Capture, weak_schedule
+from .discovery import (discover, unwrap_model, warn_identity_sides,
+                        warn_nothing_preconditioned)
 from .distributed import Packet, world_size
-from .vectors import unfold2d
+from .wrapper import PreconditionedOptimizer
 
 __all__ = ["KFAC"]
 
 
-def _input_stat(layer, x):
-    """(sum_i a_i a_i^T, rows) of one forward, rows with a trailing 1 for a bias."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    if layer.kind == "conv2d":
-        m = layer.module
-        x, padding = conv_input(m, x)
-        rows = unfold2d(x, m.kernel_size, dilation=m.dilation, padding=padding,
-                        stride=m.stride).transpose(1, 2)
-    else:
-        rows = x
-    rows = rows.reshape(-1, rows.shape[-1])
+def _masked_flat(rows, mask):
+    rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+    flat = rows.reshape(-1, rows.shape[-1])
+    if mask is None:
+        return flat, flat.shape[0], None
+    keep = mask.reshape(-1, 1)
+    return torch.where(keep, flat, 0), mask.sum(), keep
+
+
+def _input_stat(layer, rows, mask):
+    """(sum_i a_i a_i^T, rows) of one forward, rows with a trailing 1 for a bias (0 on a
+    masked row); an identity side (size guard) stores nothing."""
+    flat, n, keep = _masked_flat(rows, mask)
+    if layer.identity_R:
+        return flat.new_zeros(0), n
     if layer.has_bias:
-        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-    return rows.T @ rows, rows.shape[0]
+        ones = flat.new_ones(flat.shape[0], 1) if keep is None else keep.to(flat.dtype)
+        flat = torch.cat([flat, ones], dim=1)
+    return flat.T @ flat, n
 
 
-def _grad_stat(layer, g):
-    """(1/N) sum_i (N g_i)(N g_i)^T = N sum_i g_i g_i^T, N = samples (B for Conv2d)."""
-    g = g.to(torch.promote_types(g.dtype, torch.float32))
-    if layer.kind == "conv2d":
-        n = g.shape[0]
-        rows = g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
-    else:
-        rows = g.reshape(-1, g.shape[-1])
-        n = rows.shape[0]
-    return n * (rows.T @ rows)
+def _grad_stat(layer, rows, mask):
+    """(sum_i g_i g_i^T, samples): G = N sum_i g_i g_i^T once N, the samples of every
+    micro-batch, is known (one sample is ``rows_per_sample`` rows: L for Conv2d)."""
+    flat, n, _ = _masked_flat(rows, mask)
+    samples = n / layer.type.rows_per_sample(rows.shape[:-1])
+    if layer.identity_L:
+        return flat.new_zeros(0), samples
+    return flat.T @ flat, samples
 
 
-class KFAC(HookedLayers):
-    """K-FAC preconditioner wrapping a ``torch.optim`` optimizer (same API as MKOR).
+def _decompose(F, damping, method):
+    """eigh / inv of the factor F with fallbacks: float64, then more damping. Returns the
+    result (in F's dtype) and the number of failed attempts, or (None, attempts)."""
+    attempts = 0
+    for extra in (0.0, 0.0, 10 * damping, 100 * damping, 1000 * damping):
+        M = (F + F.T) / 2 if attempts == 0 else (F + F.T).double() / 2
+        if extra:
+            M = M + extra * torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
+        try:
+            if method == "eigen":
+                lam, Q = torch.linalg.eigh(M)
+                out = (lam.clamp(min=0).to(F.dtype), Q.to(F.dtype))  # rounding can go < 0
+                ok = torch.isfinite(lam).all() and torch.isfinite(Q).all()
+            else:
+                eye = torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
+                inv = torch.linalg.inv(M + damping * eye)
+                out, ok = inv.to(F.dtype), torch.isfinite(inv).all()
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            ok = False
+        if ok:
+            return out, attempts
+        attempts += 1
+    return None, attempts
+
+
+class KFAC(PreconditionedOptimizer):
+    """K-FAC as a ``torch.optim.Optimizer`` preconditioning a backbone (same API as MKOR).
 
     Args:
         model, optimizer: as :class:`~torch_impl.mkor.MKOR`.
@@ -77,14 +121,18 @@ class KFAC(HookedLayers):
         method: "eigen" (default) or "inverse".
         skip_modules: glob patterns of module names to leave to the backbone.
         grad_hook: "module" | "tensor", as for MKOR.
+        max_factor_dim, token_mask, grad_scaler, grad_scale: as for MKOR (a factor side
+            at the identity is the factor I: eigenvalues 1, or inverse I / (1 + delta)).
         process_group: process group for averaging the factors (default: the world).
     """
 
+    _state_key = "kfac"
+
     def __init__(self, model, optimizer, *, inv_freq=10, factor_freq=1, damping=1e-3,
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
-                 grad_hook="tensor", process_group=None):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError("optimizer must be a torch.optim.Optimizer")
+                 grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
+                 grad_scaler=None, grad_scale=1.0, process_group=None):
+        self._bind(model, optimizer, grad_scaler)
         for name, value in (("inv_freq", inv_freq), ("factor_freq", factor_freq)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -96,23 +144,56 @@ class KFAC(HookedLayers):
             raise ValueError(f"kl_clip must be None or > 0, got {kl_clip!r}")
         if method not in ("eigen", "inverse"):
             raise ValueError(f"method must be 'eigen' or 'inverse', got {method!r}")
-        self.model, self.optimizer, self.process_group = model, optimizer, process_group
+        if max_factor_dim is not None and (isinstance(max_factor_dim, bool) or not isinstance(
+                max_factor_dim, int) or max_factor_dim < 1):
+            raise ValueError(f"max_factor_dim must be None or an int >= 1, got {max_factor_dim!r}")
+        if not (isinstance(grad_scale, torch.Tensor) or grad_scale > 0):
+            raise ValueError(f"grad_scale must be > 0, got {grad_scale!r}")
+        self.process_group = process_group
         self.inv_freq, self.factor_freq = inv_freq, factor_freq
         self.damping, self.factor_decay, self.kl_clip, self.method = (
             damping, factor_decay, kl_clip, method)
-        self._layers, self._skipped = discover(unwrap_model(model), tuple(skip_modules))
-        self._steps = 0
-        self._state = {layer.name: {} for layer in self._layers}
-        self._capture = Capture(self._layers, self.factor_update_due, _input_stat, _grad_stat,
-                                grad_hook=grad_hook)
-        self._capture.register()
+        self._grad_scale = grad_scale
+        found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
+        self._layers, self._skipped = found.layers, found.skipped
         # Factors are kept in the statistics' dtype: the weights' promoted with float32.
+        self._dtype = (torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
+                       if self._layers else torch.float32)
+        warn_identity_sides("KFAC", self._layers, 2 * self._dtype.itemsize)
+        if not self._layers:
+            warn_nothing_preconditioned("KFAC", self._skipped)
+        self._steps = 0
+        self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
+        self.decomposition_failures = 0  # decompositions that kept the previous result
+        self.decomposition_retries = 0   # failed attempts (float64 retries, extra damping)
+        self._capture = Capture(self._layers, weak_schedule(self.factor_update_due),
+                                _input_stat, _grad_stat, grad_hook=grad_hook,
+                                model=unwrap_model(model), mask_kwarg=token_mask)
+        self._capture.register()
         self._packet = Packet(
-            [[(l.d_in, l.d_in), (l.d_out, l.d_out)] for l in self._layers],
-            [l.has_bias for l in self._layers],  # A[-1, -1] = mean of 1 * 1 = 1
-            torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
-            if self._layers else torch.float32)
+            [[self._a_shape(l), self._g_shape(l)] for l in self._layers],
+            [l.has_bias and not l.identity_R for l in self._layers],  # A[-1, -1] = 1
+            self._dtype)
         self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
+        self._attach([unwrap_model(model)] + [l.module for l in self._layers])
+
+    @staticmethod
+    def _a_shape(layer):
+        return (0,) if layer.identity_R else (layer.d_in, layer.d_in)
+
+    @staticmethod
+    def _g_shape(layer):
+        return (0,) if layer.identity_L else (layer.d_out, layer.d_out)
+
+    def _initial_state(self, layer):
+        dev = layer.module.weight.device
+        state = {"updates": torch.zeros((), dtype=torch.int64, device=dev),
+                 "skipped": torch.zeros((), dtype=torch.int64, device=dev)}
+        for key, side, d in (("A", layer.identity_R, layer.d_in),
+                             ("G", layer.identity_L, layer.d_out)):
+            if not side:  # I until the first accepted update replaces it
+                state[key] = torch.eye(d, dtype=self._dtype, device=dev)
+        return state
 
     @property
     def payload_bytes(self):
@@ -120,44 +201,49 @@ class KFAC(HookedLayers):
         #bias-free layers) x itemsize."""
         return self._packet.nbytes
 
+    @property
+    def skipped_updates(self):
+        """Factor updates refused for non-finite statistics (a tensor)."""
+        counts = [s["skipped"] for s in self._state.values()]
+        return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64))
+
     def factor_update_due(self):
-        return self._steps % self.factor_freq == 0
+        return not self._detached and self._steps % self.factor_freq == 0
 
     def factors(self):
-        """{name: (A, G)} of the current factor EMAs (absent before the first update)."""
-        return {n: (s["A"], s["G"]) for n, s in self._state.items() if "A" in s}
+        """{name: (A, G)} of the current factor EMAs (None for an identity side), for the
+        layers that have had an update."""
+        return {n: (s.get("A"), s.get("G")) for n, s in self._state.items()
+                if "decomposed" in s or int(s["updates"]) > 0}
 
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def _drop_statistics(self):
         self._capture.reset()
 
-    def state_dict(self, include_optimizer=False):
-        state = {"steps": self._steps,
-                 "layers": {n: {k: (tuple(t.clone() for t in v) if isinstance(v, tuple)
-                                    else v.clone()) for k, v in s.items()}
-                            for n, s in self._state.items()}}
-        if include_optimizer:
-            state["optimizer"] = self.optimizer.state_dict()
-        return state
+    def preconditioner_state_dict(self):
+        return {"steps": self._steps,
+                "layers": {n: {k: (tuple(t.clone() for t in v) if isinstance(v, tuple)
+                                   else v.clone() if isinstance(v, torch.Tensor) else v)
+                               for k, v in s.items()}
+                           for n, s in self._state.items()}}
 
-    def load_state_dict(self, state):
+    def load_preconditioner_state_dict(self, state):
         if set(state["layers"]) != set(self._state):
             raise ValueError("state_dict layers do not match the preconditioned modules")
         self._steps = state["steps"]
         self._state = {n: dict(s) for n, s in state["layers"].items()}
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
 
     # -- the step -----------------------------------------------------------------------
     def _batch_factors(self):
         """[(layer, A_new, G_new)] of this step, averaged over the ranks that captured
         each layer when distributed."""
+        scale = self._step_scale if self._step_scale is not None else self._configured_scale()
         new = []
         for layer in self._layers:
             stats = self._capture.stats(layer.name)
             if stats is not None:
-                a_sum, a_count, g_sum, g_calls = stats
-                new.append((layer, a_sum / a_count, g_sum / g_calls))
+                a_sum, a_count, g_sum, samples = stats
+                new.append((layer, a_sum / a_count, g_sum * (samples / scale / scale)))
+        self._check_captured(self._layers, bool(new))
         if world_size(self.process_group) == 1 or not self._layers:
             return new
         mine = {layer.name: [A, G] for layer, A, G in new}
@@ -176,55 +262,73 @@ class KFAC(HookedLayers):
         return out
 
     def _update_factors(self):
+        beta = self.factor_decay
         for layer, A_new, G_new in self._batch_factors():
-            s, beta = self._state[layer.name], self.factor_decay
-            if "A" not in s:
-                s["A"], s["G"] = A_new, G_new
-            else:
-                s["A"] = beta * s["A"] + (1 - beta) * A_new
-                s["G"] = beta * s["G"] + (1 - beta) * G_new
+            s = self._state[layer.name]
+            ok = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+            first = s["updates"] == 0
+            for key, new in (("A", A_new), ("G", G_new)):
+                if key in s:  # the first accepted update takes the batch factor as is
+                    blended = torch.where(first, new, beta * s[key] + (1 - beta) * new)
+                    s[key] = torch.where(ok, blended, s[key])
+            s["updates"] = s["updates"] + ok.long()
+            s["skipped"] = s["skipped"] + (~ok).long()
 
-    def _decompose(self):
-        for s in self._state.values():
-            if "A" not in s:
-                continue
-            if self.method == "eigen":
-                for key in ("A", "G"):
-                    F = s[key]
-                    lam, Q = torch.linalg.eigh((F + F.T) / 2)
-                    s["eig_" + key] = (lam.clamp(min=0), Q)  # rounding can go below 0
-            else:
-                for key in ("A", "G"):
-                    F = s[key]
-                    eye = torch.eye(F.shape[0], dtype=F.dtype, device=F.device)
-                    s["inv_" + key] = torch.linalg.inv(F + self.damping * eye)
+    def _decompose_all(self):
+        for name, s in self._state.items():
+            for key in ("A", "G"):
+                if key not in s:
+                    continue
+                result, attempts = _decompose(s[key], self.damping, self.method)
+                self.decomposition_retries += attempts
+                if result is None:
+                    self.decomposition_failures += 1
+                    warnings.warn(f"KFAC: decomposing {name}.{key} failed in float32, float64 "
+                                  "and with extra damping; keeping its previous "
+                                  "decomposition", RuntimeWarning)
+                    continue
+                s[("eig_" if self.method == "eigen" else "inv_") + key] = result
+            s["decomposed"] = True
 
-    def _apply(self, s, G_hat):
+    def _apply(self, layer, s, G_hat):
+        """V for one layer; an identity side is the factor I."""
         if self.method == "eigen":
-            (lamA, QA), (lamG, QG) = s["eig_A"], s["eig_G"]
-            return QG @ ((QG.T @ G_hat @ QA) / (torch.outer(lamG, lamA) + self.damping)) @ QA.T
-        return s["inv_G"] @ G_hat @ s["inv_A"]
+            QA = QG = None
+            lamA = lamG = None
+            if "eig_A" in s:
+                lamA, QA = s["eig_A"]
+            if "eig_G" in s:
+                lamG, QG = s["eig_G"]
+            X = G_hat if QA is None else G_hat @ QA
+            X = X if QG is None else QG.T @ X
+            lam = (torch.outer(lamG if lamG is not None else X.new_ones(X.shape[0]),
+                               lamA if lamA is not None else X.new_ones(X.shape[1])))
+            X = X / (lam + self.damping)
+            X = X if QA is None else X @ QA.T
+            return X if QG is None else QG @ X
+        V = G_hat / (1 + self.damping) if "inv_A" not in s else G_hat @ s["inv_A"]
+        return V / (1 + self.damping) if "inv_G" not in s else s["inv_G"] @ V
 
     @torch.no_grad()
     def precondition(self):
         """Factor / decomposition updates when due, then ``.grad`` <- nu * V."""
+        if self._detached:
+            return
         if self.factor_update_due():
             self._update_factors()
         if self._steps % self.inv_freq == 0:
-            self._decompose()
+            self._decompose_all()
         self._capture.reset()
-        key = "eig_A" if self.method == "eigen" else "inv_A"
         work = []
         for layer in self._layers:
             s, w, b = self._state[layer.name], layer.module.weight, layer.module.bias
-            if key not in s or w.grad is None:
+            if "decomposed" not in s or w.grad is None:
                 continue
-            dtype = s["A"].dtype
-            G_hat = w.grad.reshape(w.shape[0], -1).to(dtype)
+            G_hat = layer.type.grad_matrix(layer.module).to(self._dtype)
             if layer.has_bias:
                 gb = b.grad if b.grad is not None else torch.zeros_like(b)
-                G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(dtype)], dim=1)
-            work.append((layer, G_hat, self._apply(s, G_hat)))
+                G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(self._dtype)], dim=1)
+            work.append((layer, G_hat, self._apply(layer, s, G_hat)))
         nu = None
         if self.kl_clip is not None and work:
             lr = self.optimizer.param_groups[0]["lr"]
@@ -237,17 +341,9 @@ class KFAC(HookedLayers):
             if nu is not None:
                 V = V * nu.to(V.device)
             w, b = layer.module.weight, layer.module.bias
-            w.grad.copy_(V[:, :w[0].numel()].reshape(w.shape))
+            d = layer.d_in - layer.has_bias
+            layer.type.set_grad_matrix(layer.module, V[:, :d].to(w.grad.dtype))
             if layer.has_bias and b.grad is not None:
                 b.grad.copy_(V[:, -1])
         self._steps += 1
-
-    def step(self, closure=None):
-        """:meth:`precondition`, then ``optimizer.step()``; returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.precondition()
-        self.optimizer.step()
-        return loss
+        self._step_scale = None

@@ -17,15 +17,19 @@ __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", 
 
 
 def initial_layer_state(layer, factor_dtype):
-    """Identity factors and zero counters on the layer's device."""
+    """Identity factors and zero counters on the layer's device; a side the size guard
+    leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no factor."""
     dev = layer.module.weight.device
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     false = torch.zeros((), dtype=torch.bool, device=dev)
-    return {"L_inv": torch.eye(layer.d_out, dtype=factor_dtype, device=dev),
-            "R_inv": torch.eye(layer.d_in, dtype=factor_dtype, device=dev),
-            "updates_a": zero.clone(), "updates_g": zero.clone(),
-            "reset_a": false.clone(), "reset_g": false.clone(),
-            "skipped": zero.clone(), "fired": zero.clone()}
+    state = {"updates_a": zero.clone(), "updates_g": zero.clone(),
+             "reset_a": false.clone(), "reset_g": false.clone(),
+             "skipped": zero.clone(), "fired": zero.clone()}
+    if not layer.identity_L:
+        state["L_inv"] = torch.eye(layer.d_out, dtype=factor_dtype, device=dev)
+    if not layer.identity_R:
+        state["R_inv"] = torch.eye(layer.d_in, dtype=factor_dtype, device=dev)
+    return state
 
 
 class Workspace:
@@ -61,15 +65,18 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
                   threshold=o.threshold, norm=o.stabilizer_norm,
                   stabilizer_timing=o.stabilizer_timing,
                   stabilizer_reset=o.stabilizer_reset, first_update=o.first_update)
-    R, L = s["R_inv"].to(cd), s["L_inv"].to(cd)
+    R = s["R_inv"].to(cd) if "R_inv" in s else None
+    L = s["L_inv"].to(cd) if "L_inv" in s else None
     if deferred:
         flag_a, flag_g = s["reset_a"], s["reset_g"]
     elif coupled:  # both factors tested before either is touched
-        flag_a = flag_g = needs_stabilising(R, o.threshold) | needs_stabilising(L, o.threshold)
+        flag_a = flag_g = _any_needs_stabilising([R, L], o.threshold)
     else:
         flag_a = flag_g = False
 
     def update(key, J, v, first, flag):
+        if J is None:  # an identity side (size guard): nothing to update
+            return None, None
         buf = None if workspace is None else workspace.views([J.shape], cd, J.device)[0]
         J_new, fired = factor_update(J, v, first=first, reset_flag=flag, out=buf, **common)
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
@@ -88,42 +95,60 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
 
     ok_a, fired_a = update("R_inv", R, a_bar, s["updates_a"] == 0, flag_a)
     ok_g, fired_g = update("L_inv", L, g_bar, s["updates_g"] == 0, flag_g)
-    s["updates_a"] = s["updates_a"] + ok_a.long()
-    s["updates_g"] = s["updates_g"] + ok_g.long()
-    s["fired"] = s["fired"] + (ok_a & fired_a).long() + (ok_g & fired_g).long()
+    for ok, fired, counter in ((ok_a, fired_a, "updates_a"), (ok_g, fired_g, "updates_g")):
+        if ok is not None:
+            s[counter] = s[counter] + ok.long()
+            s["fired"] = s["fired"] + (ok & fired).long()
     if deferred:  # a skipped factor keeps its pending flag
-        fa = torch.where(ok_a, fired_a, s["reset_a"])
-        fg = torch.where(ok_g, fired_g, s["reset_g"])
+        fa = s["reset_a"] if ok_a is None else torch.where(ok_a, fired_a, s["reset_a"])
+        fg = s["reset_g"] if ok_g is None else torch.where(ok_g, fired_g, s["reset_g"])
         either = fa | fg
         s["reset_a"], s["reset_g"] = (either, either) if coupled else (fa, fg)
 
 
+def _any_needs_stabilising(factors, threshold):
+    flags = [needs_stabilising(J, threshold) for J in factors if J is not None]
+    return flags[0] | flags[1] if len(flags) == 2 else flags[0]
+
+
 def precondition_layer(layer, s, o, workspace=None):
     """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place.
-    ``workspace``: a :class:`Workspace` lending the two GEMM outputs (none allocated)."""
-    weight, bias = layer.module.weight, layer.module.bias
+    ``workspace``: a :class:`Workspace` lending the two GEMM outputs (none allocated).
+    The weight matrix is read and written through the layer type (a transposed view for
+    transformers' Conv1D). A bias without a gradient this step (frozen after discovery,
+    or unused) takes part in the product as 0 but not in the rescale, so the rescaled
+    weight step has exactly the weight gradient's norm."""
+    module = layer.module
+    weight, bias = module.weight, module.bias
     if weight.grad is None:
         return
     if weight.grad.is_sparse:
         raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
-    cd = torch.promote_types(weight.grad.dtype, o.compute_dtype)
-    grad_W = weight.grad.to(cd)
+    matrix = layer.type.grad_matrix(module)
+    cd = torch.promote_types(matrix.dtype, o.compute_dtype)
+    grad_W = matrix.to(cd)
     grad_b = None
-    if layer.has_bias:  # a frozen or unused bias still owns a column of R
-        grad_b = (bias.grad.to(cd) if bias.grad is not None
+    bias_grad = bias.grad if layer.has_bias else None
+    if layer.has_bias:  # an unused bias still owns a column of R
+        grad_b = (bias_grad.to(cd) if bias_grad is not None
                   else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
     pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
     shape = (layer.d_out, layer.d_in - layer.has_bias)  # d_in counts the bias column
     work = None if workspace is None else workspace.views([shape, shape], pd, grad_W.device)
-    delta_W, delta_b = precondition(s["L_inv"].to(pd), s["R_inv"].to(pd), grad_W.to(pd),
+    L_inv, R_inv = s.get("L_inv"), s.get("R_inv")
+    delta_W, delta_b = precondition(None if L_inv is None else L_inv.to(pd),
+                                    None if R_inv is None else R_inv.to(pd), grad_W.to(pd),
                                     None if grad_b is None else grad_b.to(pd), work)
     if pd != cd:
         delta_W = delta_W.to(cd)
         delta_b = None if delta_b is None else delta_b.to(cd)
-    in_place = grad_W is weight.grad  # no dtype cast: write the result straight into .grad
-    delta_W, delta_b = rescale(delta_W, delta_b, grad_W, grad_b, o.rescale,
-                               out_W=weight.grad if in_place else None)
+    # No dtype cast and a view of .grad: write the result straight into it.
+    in_place = grad_W is matrix and (matrix is weight.grad or matrix._base is weight.grad)
+    counted_b = bias_grad is not None
+    delta_W, delta_b = rescale(delta_W, delta_b if counted_b else None, grad_W,
+                               grad_b if counted_b else None, o.rescale,
+                               out_W=matrix if in_place else None)
     if not in_place:
-        weight.grad.copy_(delta_W)
-    if layer.has_bias and bias.grad is not None:
-        bias.grad.copy_(delta_b)
+        layer.type.set_grad_matrix(module, delta_W)
+    if counted_b:
+        bias_grad.copy_(delta_b)

@@ -1,9 +1,10 @@
 r"""MKOR: a Kronecker-factored preconditioner with rank-1 inverse updates.
 
 Mozaffari, Li, Zhang, Mehri Dehnavi, "MKOR: Momentum-Enabled Kronecker-Factor-Based
-Optimizer Using Rank-1 Updates", NeurIPS 2023 (spec MKOR.md). The preconditioner is
-an object separate from the optimizer (kfac-pytorch pattern): it hooks the model,
-rewrites ``.grad`` in place, then steps the user's ``torch.optim`` optimizer.
+Optimizer Using Rank-1 Updates", NeurIPS 2023 (spec MKOR.md). MKOR hooks the model,
+rewrites ``.grad`` in place, then steps the user's ``torch.optim`` optimizer; it is
+itself a ``torch.optim.Optimizer`` over the backbone's param groups
+(:mod:`.wrapper`), so schedulers, ``GradScaler`` and ``transformers.Trainer`` take it.
 
 Per preconditioned layer (W in R^{d_out x d_in}, bias b) it stores J_L = L^{-1} and
 J_R = R^{-1}, both starting at I. Each step t:
@@ -21,46 +22,56 @@ the rank-1 vectors of :mod:`.vectors`, f = ``inv_freq``, t_w = ``warmup_steps``.
 """
 import torch
 
-from .capture import Capture, HookedLayers, conv_input, discover, unwrap_model
+from .capture import Capture, weak_schedule
 from .config import MKOROptions
+from .discovery import (discover, unwrap_model, warn_identity_sides,
+                        warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, mean_over_ranks, world_size
+from .hybrid import LossFeed, LossRateSwitch
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
-from .hybrid import LossRateSwitch
-from .vectors import conv2d_grad_sum, conv2d_input_sum, linear_grad_sum, linear_input_sum
+from .vectors import grad_row_sum, input_row_sum
+from .wrapper import PreconditionedOptimizer
 
 __all__ = ["MKOR"]
 
 
-def _input_stat(layer, x):
-    if layer.kind == "conv2d":
-        x, padding = conv_input(layer.module, x)  # explicit padding, as the conv does
-        m = layer.module
-        return conv2d_input_sum(x, m.kernel_size, m.stride, padding, m.dilation, layer.has_bias)
-    return linear_input_sum(x, layer.has_bias)
+def _promote(rows):
+    return rows.to(torch.promote_types(rows.dtype, torch.float32))
 
 
-def _grad_stat(layer, g):
-    return conv2d_grad_sum(g) if layer.kind == "conv2d" else linear_grad_sum(g)
+def _input_stat(layer, rows, mask):
+    return input_row_sum(_promote(rows), mask, layer.has_bias)
 
 
-def _stat_dtype(x):
-    return torch.promote_types(x.dtype, torch.float32)
+def _grad_stat(layer, rows, mask):
+    return grad_row_sum(_promote(rows), mask, layer.type.rows_per_sample(rows.shape[:-1]))
 
 
-class MKOR(HookedLayers):
-    r"""MKOR / MKOR-H preconditioner wrapping a ``torch.optim`` optimizer.
+class MKOR(PreconditionedOptimizer):
+    r"""MKOR / MKOR-H: a ``torch.optim.Optimizer`` preconditioning a backbone optimizer.
 
     Usage::
 
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         mkor = MKOR(model, opt)
-        loss_fn(model(x), y).backward(); mkor.step(); opt.zero_grad()
+        loss_fn(model(x), y).backward(); mkor.step(); mkor.zero_grad()
 
     Args:
         model: any ``nn.Module`` (DDP wrappers allowed; names lose ``module.``). Every
-            ``nn.Linear`` (and subclass) and ``nn.Conv2d`` with groups=1 is
-            preconditioned; other parameters reach the optimizer untouched.
+            module of a registered layer type (``nn.Linear`` and subclasses, ``nn.Conv2d``
+            with groups=1, transformers' ``Conv1D``; :func:`~.layers.register_layer_type`
+            adds more) is preconditioned, except those :attr:`skip_reasons` lists; other
+            parameters reach the optimizer untouched.
         optimizer: the backbone, any ``torch.optim.Optimizer`` holding the parameters.
+        max_factor_dim: factor sides above this (default 8192) are preconditioned by the
+            identity instead of being built (:mod:`.discovery`); None: no limit.
+        token_mask: name of the model's forward keyword holding a (B, T) token mask
+            (default ``"attention_mask"``, nonzero = real token): padded positions are kept
+            out of the statistics of every layer whose rows are (B, T) tokens. None: off.
+            :meth:`masked` sets a mask by hand.
+        grad_scaler: the ``torch.amp.GradScaler`` of the loop, if it calls
+            ``scaler.unscale_(mkor)`` before ``scaler.step(mkor)`` (its scale is then read
+            from it, sync-free); ``scaler.step`` alone needs nothing (:mod:`.wrapper`).
         inv_freq: factor-update period f (K2). stat_decay: gamma of the "paper" EMA (K8).
         variant: "paper" (default) or "released"; picks the column of spec section 4
             for every option below left as None.
@@ -91,7 +102,9 @@ class MKOR(HookedLayers):
             micro-batch loss is divided by the number of micro-batches. An int k instead
             divides g_bar by k (the released code's convention, for un-divided losses).
         grad_scale: loss scale of mixed-precision training; g_bar is divided by it
-            (K5). Update with :meth:`set_grad_scale` (a tensor avoids any sync).
+            (K5). Only for loops that scale the loss by hand: ``GradScaler.step`` hands
+            its scale over itself. Update with :meth:`set_grad_scale` (a tensor avoids
+            any sync).
         skip_modules: glob patterns of module names to leave to the backbone.
         grad_hook: "tensor" (default: a forward hook attaches a gradient hook to the
             output only on steps that capture statistics, so other steps run the plain
@@ -99,7 +112,10 @@ class MKOR(HookedLayers):
             or "module" (``register_full_backward_hook``, the kfac-pytorch convention:
             the same vectors, but every forward goes through the hook machinery).
         hybrid_switch: None or "loss_rate" (MKOR-H, K18) with ``switch_window``,
-            ``switch_check_every``, ``switch_threshold``, ``switch_patience``.
+            ``switch_check_every``, ``switch_threshold``, ``switch_patience``. The rule
+            reads each step's loss from ``step(loss=...)``, a closure, or the model's output
+            (``output.loss``, as transformers models return), and warns once if a step
+            brings none; reading is batched (one sync per ``switch_check_every`` steps).
         switch_step: switch to the backbone for good at step k (MKOR-H).
         process_group: process group for averaging vectors (default: the world).
         comm_overlap: launch the vector all-reduce asynchronously as soon as a backward
@@ -115,6 +131,8 @@ class MKOR(HookedLayers):
     Every invalid hyperparameter raises ``ValueError`` naming it.
     """
 
+    _state_key = "mkor"
+
     def __init__(self, model, optimizer, *, inv_freq=10, stat_decay=0.95, variant="paper",
                  zeta=0.9, threshold=2.0, stabilizer_norm="max_entry",
                  stabilizer_timing=None, stabilizer_reset=None, stabilizer_coupling=None,
@@ -123,42 +141,52 @@ class MKOR(HookedLayers):
                  grad_accum_steps=None, grad_scale=1.0,
                  skip_modules=(), grad_hook="tensor", hybrid_switch=None,
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
-                 switch_patience=3, switch_step=None, process_group=None,
+                 switch_patience=3, switch_step=None, max_factor_dim=8192,
+                 token_mask="attention_mask", grad_scaler=None, process_group=None,
                  comm_overlap=False):
         options = {k: v for k, v in locals().items()
-                   if k not in ("self", "model", "optimizer", "process_group", "comm_overlap")}
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
-                            f"got {type(optimizer).__name__}")
-        self.options = MKOROptions(**options)
+                   if k not in ("self", "model", "optimizer", "process_group", "comm_overlap",
+                                "grad_scaler", "__class__")}
+        self._bind(model, optimizer, grad_scaler)
+        self.options = o = MKOROptions(**options)
         if not isinstance(comm_overlap, bool):
             raise ValueError(f"comm_overlap must be a bool, got {comm_overlap!r}")
-        self.model, self.optimizer, self.process_group = model, optimizer, process_group
-        self._layers, self._skipped = discover(unwrap_model(model), self.options.skip_modules)
+        self.process_group = process_group
+        found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
+        self._layers, self._skipped = found.layers, found.skipped
+        warn_identity_sides("MKOR", self._layers, o.factor_dtype.itemsize)
+        if not self._layers:
+            warn_nothing_preconditioned("MKOR", self._skipped)
         self._steps = 0
         self._switched = False
-        o = self.options
         self._rule = None
         if o.hybrid_switch == "loss_rate" or o.switch_step is not None:
             self._rule = LossRateSwitch(
                 o.switch_window, o.switch_check_every,
                 o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
                 o.switch_patience, o.switch_step)
+        self._feed = None if self._rule is None else LossFeed(self._rule, self._mean_over_ranks)
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
         self._exchange = VectorExchange(self._layers, model, o.compute_dtype, o.comm_dtype,
                                         o.average, process_group)
-        hooks = dict(grad_hook=o.grad_hook)
+        hooks = dict(grad_hook=o.grad_hook, model=unwrap_model(model), mask_kwarg=o.token_mask)
         if comm_overlap:
-            hooks["on_backward_done"] = self._launch_early
+            hooks["on_backward_done"] = weak_schedule(self._launch_early)
         self._capture = (OverlapCapture if comm_overlap else Capture)(
-            self._layers, self.factor_update_due,
-            lambda layer, x: _input_stat(layer, x.to(_stat_dtype(x))),
-            lambda layer, g: _grad_stat(layer, g.to(_stat_dtype(g))), **hooks)
+            self._layers, weak_schedule(self.factor_update_due), _input_stat, _grad_stat,
+            **hooks)
         self._capture.register()
+        self._tap_handle = None
+        if o.hybrid_switch == "loss_rate":
+            feed = self._feed
+
+            def tap(module, args, output):
+                if module.training and torch.is_grad_enabled():
+                    feed.tap(output)
+            self._tap_handle = unwrap_model(model).register_forward_hook(tap)
+        self._attach([unwrap_model(model)] + [l.module for l in self._layers])
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -181,23 +209,26 @@ class MKOR(HookedLayers):
         """Bytes this rank has all-reduced so far (a Python int, no sync; 0 on one rank)."""
         return self._exchange.communicated_bytes
 
-    @property
-    def hooks_registered(self):
-        return self._capture.registered
-
     def factor_update_due(self):
         """K2 schedule for the current step: t % inv_freq == 0 or t < warmup_steps."""
         o = self.options
-        return not self._switched and (
+        return not (self._switched or self._detached) and (
             self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)
 
     def captured_modules(self):
         """Names of modules whose statistics for the pending step are complete."""
         return [l.name for l in self._layers if self._capture.stats(l.name) is not None]
 
+    def masked(self, mask):
+        """Context manager: within it, rows of (B, T) token layers are selected by the
+        (B, T) ``mask`` (nonzero = real token), for models without an ``attention_mask``
+        keyword."""
+        return self._capture.token_mask(mask)
+
     def inverse_factors(self):
-        """{name: (L_inv, R_inv)}: the stored inverse factors ({} after the switch)."""
-        return {name: (s["L_inv"], s["R_inv"]) for name, s in self._state.items()}
+        """{name: (L_inv, R_inv)}: the stored inverse factors, None for a side the size
+        guard leaves at the identity ({} after the switch)."""
+        return {name: (s.get("L_inv"), s.get("R_inv")) for name, s in self._state.items()}
 
     def counters(self):
         """{name: {...}} of 0-d tensors: non-finite ``skipped`` factor updates,
@@ -223,26 +254,18 @@ class MKOR(HookedLayers):
     def _initial_state(self, layer):
         return initial_layer_state(layer, self.options.factor_dtype)
 
-    def set_grad_scale(self, scale):
-        """Set the AMP loss scale that g_bar is divided by (a float or a 0-d tensor)."""
-        if not isinstance(scale, torch.Tensor) and not scale > 0:
-            raise ValueError(f"grad_scale must be > 0, got {scale!r}")
-        self._grad_scale = scale
+    def preconditioner_state_dict(self):
+        """MKOR's own state: factors and counters (by module name), step count, switch
+        state and buffered losses, loss scale."""
+        return {"steps": self._steps, "switched": self._switched,
+                "layers": {n: {k: v.clone() for k, v in s.items()}
+                           for n, s in self._state.items()},
+                "rule": None if self._rule is None else self._rule.state_dict(),
+                "losses": None if self._feed is None else self._feed.state_dict(),
+                "grad_scale": self._grad_scale}
 
-    def state_dict(self, include_optimizer=False):
-        """Factors (by module name), counters, step count, switch state; optionally the
-        wrapped optimizer's ``state_dict()`` under ``"optimizer"``."""
-        state = {"steps": self._steps, "switched": self._switched,
-                 "layers": {n: {k: v.clone() for k, v in s.items()}
-                            for n, s in self._state.items()},
-                 "rule": None if self._rule is None else self._rule.state_dict(),
-                 "grad_scale": self._grad_scale}
-        if include_optimizer:
-            state["optimizer"] = self.optimizer.state_dict()
-        return state
-
-    def load_state_dict(self, state):
-        """Restore :meth:`state_dict` output (and the optimizer's, if included)."""
+    def load_preconditioner_state_dict(self, state):
+        """Restore :meth:`preconditioner_state_dict` output."""
         if state["switched"]:
             self._switch()
         else:
@@ -252,6 +275,9 @@ class MKOR(HookedLayers):
                                  f"the preconditioned modules {sorted(names)}")
             for name, saved in state["layers"].items():
                 own = self._state[name]
+                if set(saved) != set(own):
+                    raise ValueError(f"{name}: state keys {sorted(saved)} != {sorted(own)} "
+                                     "(a different max_factor_dim?)")
                 for key, value in saved.items():
                     if own[key].shape != value.shape:
                         raise ValueError(f"{name}.{key}: shape {tuple(value.shape)} != "
@@ -260,76 +286,89 @@ class MKOR(HookedLayers):
         self._steps = state["steps"]
         if self._rule is not None and state.get("rule") is not None:
             self._rule.load_state_dict(state["rule"])
+        if self._feed is not None and state.get("losses") is not None:
+            self._feed.load_state_dict(state["losses"])
         self._grad_scale = state.get("grad_scale", self._grad_scale)
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
 
     # -- MKOR-H -------------------------------------------------------------------------
     def _switch(self):
         """One-way hand-over: hooks removed, factors freed, backbone state kept."""
         self._exchange.drop()
         self._capture.remove()
+        if self._tap_handle is not None:
+            self._tap_handle.remove()
         self._state = {}
         self._switched = True
         if self._rule is not None:
             self._rule.force(self._steps)
 
+    def _mean_over_ranks(self, values):
+        if world_size(self.process_group) == 1:
+            return values
+        device = self._layers[0].module.weight.device if self._layers else "cpu"
+        return mean_over_ranks(values, device, self.process_group)
+
     def observe_loss(self, loss):
-        """Feed this step's loss to the MKOR-H rule (call once per step, before
-        :meth:`step`). Pass a Python float: converting a tensor here is a host sync
-        that belongs to the caller. Distributed, the rule sees the mean loss over the
-        ranks (one scalar all-reduce), so every rank switches at the same step. Returns
-        whether MKOR has switched."""
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach()
-        if self._rule is not None and not self._switched:
-            loss = float(loss)
-            if world_size(self.process_group) > 1:
-                loss = mean_over_ranks(loss, self._layers[0].module.weight.device
-                                       if self._layers else "cpu", self.process_group)
-            if self._rule.observe(loss):
+        """Feed one step's loss to the MKOR-H rule now (a float, or a tensor: reading it
+        is then a host sync here). ``step(loss=...)`` does the same without the sync.
+        Distributed, the rule sees the mean loss over the ranks, so every rank switches at
+        the same step. Returns whether MKOR has switched."""
+        if self._feed is not None and not self._switched:
+            self._feed.push(loss)
+            if self._feed.flush():
                 self._switch()
         return self._switched
 
+    def _observe(self, loss):
+        if self._feed is None or self._switched or self.options.hybrid_switch != "loss_rate":
+            return
+        tapped = self._feed.take_tapped()
+        loss = tapped if loss is None else loss
+        if loss is None:
+            self._warn_once("no loss", "MKOR: hybrid_switch='loss_rate' got no loss at step "
+                            f"{self._steps}: pass step(loss=loss) or a closure, or return a "
+                            "model output with a .loss; the switch cannot fire without losses")
+            return
+        if self._feed.push(loss) and self._feed.flush():
+            self._switch()
+
+    def remove(self):
+        super().remove()
+        if self._tap_handle is not None:
+            self._tap_handle.remove()
+
     # -- the step -----------------------------------------------------------------------
-    def zero_grad(self, set_to_none=True):
-        """``optimizer.zero_grad`` and drop statistics captured since the last step."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def _drop_statistics(self):
         self._exchange.drop()
         self._capture.reset()
+        if self._feed is not None:
+            self._feed.drop()
 
     @torch.no_grad()
     def precondition(self):
         """Update factors when due (K2) and replace every hooked layer's ``.grad`` by
         its rescaled preconditioned gradient (K13, K14); advances the step counter.
         A no-op after the MKOR-H switch. No host synchronisation."""
-        if self._switched:
+        if self._switched or self._detached:
             return
         if self._rule is not None and self._rule.step_due(self._steps):
             self._switch()
             return
         if self.factor_update_due():
+            unpaired = self._capture.unpaired()
+            if unpaired:
+                self._capture.reset()
+                raise RuntimeError(
+                    f"MKOR: {', '.join(unpaired)} ran a train-mode forward under grad that "
+                    "never got a backward; with grad_hook='module' gradients cannot be paired "
+                    "with their forward. Run such forwards under torch.no_grad() or eval(), "
+                    "or use grad_hook='tensor' (the default), which pairs them exactly.")
             self._update_factors()
         self._capture.reset()
         for layer in self._layers:
             self._precondition_layer(layer)
         self._steps += 1
-
-    def step(self, closure=None):
-        """:meth:`precondition`, then ``optimizer.step()``. With a closure, it is
-        evaluated first (under grad) and, for ``hybrid_switch="loss_rate"``, its loss
-        is read as a float for the switch rule (that read is a sync). Returns the loss."""
-        if self._switched:
-            return self.optimizer.step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            if self.options.hybrid_switch == "loss_rate":
-                self.observe_loss(loss)
-        self.precondition()
-        self.optimizer.step()
-        return loss
+        self._step_scale = None
 
     # -- internals ----------------------------------------------------------------------
     def pending_vectors(self):
@@ -337,12 +376,13 @@ class MKOR(HookedLayers):
         the compute dtype, before any cross-rank averaging (for inspection and tests)."""
         o, cd = self.options, self.options.compute_dtype
         g_div = o.grad_accum_steps or 1
+        scale = self._step_scale if self._step_scale is not None else self._configured_scale()
         out = {}
         for layer in self._layers:
             stats = self._capture.stats(layer.name)
             if stats is not None:
                 a_sum, a_count, g_sum, _ = stats
-                out[layer.name] = (a_sum.to(cd) / a_count, g_sum.to(cd) / g_div / self._grad_scale)
+                out[layer.name] = (a_sum.to(cd) / a_count, g_sum.to(cd) / g_div / scale)
         return out
 
     def _launch_early(self):
@@ -356,6 +396,7 @@ class MKOR(HookedLayers):
         layer no rank captured comes back with present = False and is left untouched."""
         pending = self.pending_vectors()
         if world_size(self.process_group) == 1:
+            self._check_captured(self._layers, bool(pending))
             return [(layer, *pending[layer.name], None) for layer in self._layers
                     if layer.name in pending]
         return self._exchange.exchange(pending, getattr(self._capture, "commits", None))

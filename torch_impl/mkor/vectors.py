@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "row_sum", "input_row_sum", "grad_row_sum",
     "linear_input_sum", "linear_grad_sum", "linear_rank1_vectors",
     "unfold2d", "conv2d_input_sum", "conv2d_grad_sum", "conv2d_rank1_vectors",
 ]
@@ -32,6 +33,36 @@ def _rows(x):
 def _with_one(v, count):
     """[v | count]: the bias column's input is 1 in every row, so its sum is the count."""
     return torch.cat([v, v.new_full((1,), float(count))])
+
+
+def row_sum(rows, mask=None):
+    r"""(sum of the selected rows, their number) of ``rows`` (*lead, d); ``mask`` (a bool
+    tensor of shape ``lead``, or None for all rows) selects real tokens. Masked rows are
+    replaced by 0 before summing (not multiplied), so their values cannot leak, even if
+    they are not finite. The count is an int, or a 0-d tensor with a mask (no host sync)."""
+    lead = tuple(range(rows.dim() - 1))
+    if mask is None:
+        return rows.sum(dim=lead), rows[..., 0].numel()
+    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()
+
+
+def input_row_sum(rows, mask, has_bias):
+    r"""Additive input statistic of any layer type: (sum_i [a_i | 1], N) over its rows."""
+    total, n = row_sum(rows, mask)
+    if not has_bias:
+        return total, n
+    ones = (total.new_full((1,), float(n)) if not isinstance(n, torch.Tensor)
+            else n.reshape(1).to(total.dtype))
+    return torch.cat([total, ones]), n
+
+
+def grad_row_sum(rows, mask, rows_per_sample):
+    r"""Additive output-gradient statistic: (sum_i g_i / r, N / r), r rows per sample, so
+    g_bar = sum_i g_i for Linear (K6) and (1/L) sum_{b,l} g_{b,l} for Conv2d (K4)."""
+    total, n = row_sum(rows, mask)
+    if rows_per_sample == 1:
+        return total, n
+    return total / rows_per_sample, n / rows_per_sample
 
 
 def linear_input_sum(a, has_bias):

@@ -1,0 +1,195 @@
+r"""Layer types: how MKOR and K-FAC read a layer's statistics and write its gradient back.
+
+A Kronecker-factored preconditioner needs four things from a layer y = W a (+ b):
+
+* the **input rows** a_i (d_in values each) that multiply W, with the leading dimensions
+  that index them (tokens, or a sample's convolution positions) kept;
+* the **output-gradient rows** g_i = dloss/dy_i (d_out values each), with the same leading
+  dimensions;
+* how many rows make one sample (1 for a token of a Linear layer, the L output positions of
+  a convolution): K-FAC's G and MKOR's g_bar count samples, not rows (K3, K4);
+* the **weight layout**: a (d_out, d_in) matrix view of ``weight.grad`` to read, and a way
+  to write the preconditioned (d_out, d_in) matrix back.
+
+:class:`LayerType` bundles them; :func:`register_layer_type` adds one, so a new module class
+is covered by design rather than by class name. Built in: ``nn.Linear`` and subclasses,
+``nn.Conv2d`` with ``groups == 1``, and transformers' ``Conv1D`` (GPT-2: W stored in x out,
+y = x W + b), recognised without importing transformers (a module can only be a ``Conv1D``
+if ``transformers.pytorch_utils`` is already imported).
+"""
+import sys
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["LayerType", "LinearType", "Conv2dType", "HFConv1DType", "register_layer_type",
+           "unregister_layer_type", "layer_types", "layer_type_for", "conv_input"]
+
+
+class LayerType:
+    """How to precondition one kind of module. Subclass and :func:`register_layer_type`.
+
+    Every method takes the module; ``rows`` tensors have shape ``(*lead, d)`` where ``lead``
+    indexes the rows (kept so that a token mask of the same shape can select them).
+    """
+
+    #: a short name shown in ``repr`` and in messages
+    name = "layer"
+
+    def matches(self, module):
+        """Whether this type handles ``module`` (the first registered match wins)."""
+        raise NotImplementedError
+
+    def unsupported(self, module):
+        """None if ``module`` can be preconditioned, else the reason it is skipped."""
+        return None
+
+    def shape(self, module):
+        """(d_out, d_in) of the weight matrix, without the bias column."""
+        raise NotImplementedError
+
+    def input_rows(self, module, x):
+        """The rows a_i, ``(*lead, d_in)``, from the module's first input ``x``."""
+        raise NotImplementedError
+
+    def grad_rows(self, module, g):
+        """The rows g_i, ``(*lead, d_out)``, from the gradient of the module's output."""
+        raise NotImplementedError
+
+    def rows_per_sample(self, lead):
+        """How many rows make one sample, given the rows' leading shape ``lead``."""
+        return 1
+
+    def grad_matrix(self, module):
+        """``weight.grad`` as a (d_out, d_in) matrix, a view of it where the layout allows."""
+        raise NotImplementedError
+
+    def set_grad_matrix(self, module, delta):
+        """Write the (d_out, d_in) matrix ``delta`` into ``weight.grad``."""
+        self.grad_matrix(module).copy_(delta)
+
+
+class LinearType(LayerType):
+    """``nn.Linear`` and subclasses: y = x W^T + b, W (d_out, d_in), any leading dims (K3)."""
+
+    name = "linear"
+
+    def matches(self, module):
+        return isinstance(module, nn.Linear)
+
+    def shape(self, module):
+        return tuple(module.weight.shape)
+
+    def input_rows(self, module, x):
+        return x
+
+    def grad_rows(self, module, g):
+        return g
+
+    def grad_matrix(self, module):
+        return module.weight.grad
+
+
+class Conv2dType(LayerType):
+    """``nn.Conv2d`` with groups=1: rows are the unfolded patches (K4), (B, L, C_in kh kw),
+    in the layout of the weight reshaped to (C_out, C_in kh kw); one sample is L rows."""
+
+    name = "conv2d"
+
+    def matches(self, module):
+        return isinstance(module, nn.Conv2d)
+
+    def unsupported(self, module):
+        if module.groups != 1:
+            kind = "depthwise" if module.groups == module.in_channels else "grouped"
+            return (f"{kind} convolution (groups={module.groups}): one Kronecker factor pair "
+                    "per group is not implemented")
+        return None
+
+    def shape(self, module):
+        return module.weight.shape[0], module.weight[0].numel()
+
+    def input_rows(self, module, x):
+        x, padding = conv_input(module, x)
+        patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding,
+                           stride=module.stride)
+        return patches.transpose(1, 2)
+
+    def grad_rows(self, module, g):
+        return g.flatten(2).transpose(1, 2)
+
+    def rows_per_sample(self, lead):
+        return lead[-1]
+
+    def grad_matrix(self, module):
+        return module.weight.grad.reshape(module.weight.shape[0], -1)
+
+    def set_grad_matrix(self, module, delta):
+        module.weight.grad.copy_(delta.reshape(module.weight.shape))
+
+
+class HFConv1DType(LayerType):
+    """transformers' ``Conv1D`` (GPT-2's attention and MLP): W stored (d_in, d_out),
+    y = x W + b. The matrix view of its gradient is the transpose ``weight.grad.T``."""
+
+    name = "hf_conv1d"
+
+    def matches(self, module):
+        pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+        conv1d = getattr(pytorch_utils, "Conv1D", None)
+        return conv1d is not None and isinstance(module, conv1d)
+
+    def shape(self, module):
+        d_in, d_out = module.weight.shape
+        return d_out, d_in
+
+    def input_rows(self, module, x):
+        return x
+
+    def grad_rows(self, module, g):
+        return g
+
+    def grad_matrix(self, module):
+        return module.weight.grad.T
+
+
+def conv_input(module, x):
+    """(x, padding) as the convolution sees them: string paddings ('same', 'valid')
+    and non-zero padding modes are applied explicitly, like ``Conv2d._conv_forward``."""
+    if isinstance(module.padding, str) or module.padding_mode != "zeros":
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=mode), 0
+    return x, module.padding
+
+
+_REGISTRY = [LinearType(), Conv2dType(), HFConv1DType()]
+
+
+def register_layer_type(layer_type, *, first=True):
+    """Add a :class:`LayerType` instance. ``first=True`` (default) lets it take precedence
+    over the built-in types (e.g. a special subclass of ``nn.Linear``)."""
+    if not isinstance(layer_type, LayerType):
+        raise TypeError(f"layer_type must be a LayerType instance, got {type(layer_type)!r}")
+    if first:
+        _REGISTRY.insert(0, layer_type)
+    else:
+        _REGISTRY.append(layer_type)
+    return layer_type
+
+
+def unregister_layer_type(layer_type):
+    """Remove a type added by :func:`register_layer_type`."""
+    _REGISTRY.remove(layer_type)
+
+
+def layer_types():
+    """The registered types, in matching order."""
+    return list(_REGISTRY)
+
+
+def layer_type_for(module):
+    """The first registered type that matches ``module``, or None."""
+    for layer_type in _REGISTRY:
+        if layer_type.matches(module):
+            return layer_type
+    return None

@@ -1,0 +1,256 @@
+r"""The ``torch.optim.Optimizer`` face of a hook-based preconditioner (MKOR, K-FAC).
+
+A preconditioner wraps a backbone optimizer and must work wherever a
+``torch.optim.Optimizer`` is expected: ``torch.amp.GradScaler``, the
+``torch.optim.lr_scheduler`` classes, ``transformers.Trainer(optimizers=...)``, a
+Lightning ``configure_optimizers``, checkpoints. :class:`PreconditionedOptimizer`
+therefore *is* an Optimizer whose ``param_groups``, ``state`` and ``defaults`` are the
+backbone's own objects (properties, so a scheduler's lr change or a backbone
+``load_state_dict`` is seen at once), and whose ``state_dict()`` is the backbone's plus
+one extra key holding the preconditioner's state.
+
+**GradScaler.** The class sets ``_step_supports_amp_scaling``, so ``scaler.step(opt)`` hands
+it the loss scale and an overflow flag instead of unscaling the gradients itself. The step
+then (1) reads the flag, a host synchronisation, exactly the one ``GradScaler`` makes for a
+plain optimizer, and on overflow returns with *nothing* changed (parameters, backbone state,
+factors, counters) and that batch's statistics dropped; (2) otherwise unscales the
+gradients with the kernel ``GradScaler.unscale_`` uses (bit-identical), and (3) divides the
+captured output-gradient statistics by that scale. If the gradients were already unscaled
+(``scaler.unscale_(opt)`` before clipping), the scale is not handed over: pass
+``grad_scaler=scaler`` at construction (read without a sync), or a warning says so.
+
+**Hooks.** One preconditioner owns a module's hooks at a time: a new MKOR or KFAC on the
+same model detaches the older one (with a warning), :meth:`remove` (or leaving a
+``with`` block) detaches them by hand, and hooks of a preconditioner that is garbage
+collected go with it, so pasting a setup twice never leaves two hook sets.
+"""
+import warnings
+import weakref
+
+import torch
+
+from .capture import HookedLayers
+
+__all__ = ["PreconditionedOptimizer"]
+
+# module -> weak reference to the preconditioner whose hooks it carries
+_OWNERS = weakref.WeakKeyDictionary()
+
+
+class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
+    """Base class: subclasses set ``_state_key`` and implement :meth:`precondition`,
+    :meth:`preconditioner_state_dict`, :meth:`load_preconditioner_state_dict` and
+    ``_drop_statistics``; they call :meth:`_bind` first in ``__init__`` and
+    :meth:`_attach` once their hooks exist."""
+
+    _step_supports_amp_scaling = True
+    _state_key = "preconditioner"
+
+    # -- the Optimizer attributes are the backbone's ------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    def _bind(self, model, optimizer, grad_scaler=None):
+        name = type(self).__name__
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{name}: model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{name}: optimizer must be a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        if isinstance(optimizer, PreconditionedOptimizer):
+            raise TypeError(f"{name}: the backbone is itself a preconditioner; wrap its "
+                            "backbone instead")
+        if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
+        self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
+        # torch's own initialiser of the hook tables and the step profiling wrapper.
+        torch.optim.Optimizer.__setstate__(self, {})
+        self._warned_capturable_if_run_uncaptured = True
+        self._detached = False
+        self._warned = set()
+        self._step_scale = None
+
+    def _attach(self, modules):
+        """Take ownership of ``modules``' hooks (detaching an older owner) and arrange for
+        the hooks to go when this object is garbage collected."""
+        displaced = []
+        for module in modules:
+            ref = _OWNERS.get(module)
+            other = ref() if ref is not None else None
+            if other is not None and other is not self and not other._detached:
+                other.remove()
+                displaced.append(type(other).__name__)
+            _OWNERS[module] = weakref.ref(self)
+        if displaced:
+            warnings.warn(f"{type(self).__name__}: the model already carried the hooks of an "
+                          f"earlier {displaced[0]}; they were removed (one preconditioner per "
+                          "module; the earlier object now steps its backbone only)",
+                          UserWarning, stacklevel=3)
+        weakref.finalize(self, self._capture.remove)
+
+    def _warn_once(self, key, message, category=UserWarning):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, category, stacklevel=3)
+
+    # -- optimizer API ----------------------------------------------------------------------
+    def add_param_group(self, param_group):
+        """Adds to the backbone (its new parameters are not preconditioned)."""
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none=True):
+        """The backbone's ``zero_grad`` and drop statistics captured since the last step."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._drop_statistics()
+
+    def remove(self):
+        """Detach every hook; from then on :meth:`step` steps the backbone only."""
+        self._capture.remove()
+        self._detached = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    @property
+    def hooks_registered(self):
+        return self._capture.registered
+
+    def _grads(self):
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _amp_step(self):
+        """The GradScaler contract: False if this step overflowed (skip it all)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            self._step_scale = self._configured_scale()
+            return True
+        scale = getattr(self, "grad_scale", None)
+        if found_inf.item():  # the sync GradScaler itself makes for a plain optimizer
+            self._drop_statistics()
+            return False
+        if scale is not None:  # gradients still scaled: unscale them as GradScaler would
+            inv_scale = scale.double().reciprocal().float()
+            by_device = {}
+            for grad in self._grads():
+                by_device.setdefault((grad.device, grad.dtype), []).append(grad)
+            for (device, _), grads in by_device.items():
+                dummy = torch.zeros(1, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, dummy, inv_scale.to(device))
+            self._step_scale = scale
+        else:  # unscaled by the caller: the scale is only known from the scaler itself
+            if self.grad_scaler is None:
+                self._warn_once("scale", f"{type(self).__name__}: GradScaler.unscale_ ran "
+                                "before step(), so the loss scale the statistics were "
+                                "captured at is unknown; pass grad_scaler=scaler at "
+                                "construction (statistics now use grad_scale="
+                                f"{self._grad_scale!r})", RuntimeWarning)
+            self._step_scale = self._configured_scale()
+        return True
+
+    def _configured_scale(self):
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scale = getattr(scaler, "_scale", None)
+            return scale if scaler.is_enabled() and scale is not None else 1.0
+        return self._grad_scale
+
+    def set_grad_scale(self, scale):
+        """Set the loss scale the statistics are divided by (a float or a 0-d tensor);
+        not needed with ``GradScaler.step`` or ``grad_scaler=``."""
+        if not isinstance(scale, torch.Tensor) and not scale > 0:
+            raise ValueError(f"grad_scale must be > 0, got {scale!r}")
+        self._grad_scale = scale
+
+    def step(self, closure=None, *, loss=None):
+        """Precondition, then the backbone's ``step()``. ``closure`` (re-evaluates the
+        loss, as in ``torch.optim``) runs first, under grad; ``loss`` passes this step's
+        loss without one (MKOR-H reads it). Returns the closure's loss."""
+        closure_loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                closure_loss = closure()
+            loss = closure_loss if loss is None else loss
+        if not self._amp_step():
+            return closure_loss
+        if self._detached:
+            self._warn_once("detached", f"{type(self).__name__}: hooks were removed (remove(), "
+                            "a with block, or a newer preconditioner on the model): stepping "
+                            "the backbone without preconditioning")
+            self.optimizer.step()
+            return closure_loss
+        self._observe(loss)
+        self.precondition()
+        self.optimizer.step()
+        return closure_loss
+
+    def _observe(self, loss):
+        """This step's loss (or None), before :meth:`precondition`; MKOR-H overrides."""
+
+    def _check_captured(self, layers, captured_any):
+        """On a factor-update step: warn once when nothing was captured although the
+        layers have gradients (all in eval mode, or a forward outside the schedule)."""
+        if captured_any or not layers:
+            return
+        if not any(layer.module.weight.grad is not None for layer in layers):
+            return
+        if all(not layer.module.training for layer in layers):
+            why = "every preconditioned module is in eval() mode (call model.train())"
+        else:
+            why = "no forward under grad in train mode reached a backward since the last step"
+        self._warn_once("nothing captured", f"{type(self).__name__}: no statistics were "
+                        f"captured for a factor update: {why}; the factors stay as they are")
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self):
+        """The backbone's ``state_dict()`` plus this preconditioner's state under
+        ``_state_key`` (``"mkor"`` / ``"kfac"``): one checkpoint resumes both."""
+        state = self.optimizer.state_dict()
+        state[self._state_key] = self.preconditioner_state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output. A plain backbone ``state_dict`` loads too (the
+        preconditioner then keeps its state, with a warning), and so does the older
+        preconditioner-only format (``{"steps", "layers", ..., "optimizer"?}``)."""
+        state = dict(state_dict)
+        own = state.pop(self._state_key, None)
+        if own is None and "layers" in state and "param_groups" not in state:
+            own, state = state, state.get("optimizer")
+        if own is None:
+            warnings.warn(f"{type(self).__name__}.load_state_dict: no '{self._state_key}' entry: "
+                          "only the backbone's state was loaded", UserWarning, stacklevel=2)
+        backup = self.preconditioner_state_dict()
+        try:  # the preconditioner first: a mismatch leaves the backbone untouched
+            if own is not None:
+                self.load_preconditioner_state_dict(own)
+            if state is not None and "param_groups" in state:
+                self.optimizer.load_state_dict(state)
+        except Exception:
+            self.load_preconditioner_state_dict(backup)
+            raise
