@@ -166,6 +166,7 @@ class MKOR(PreconditionedOptimizer):
                 o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
                 o.switch_patience, o.switch_step)
         self._feed = None if self._rule is None else LossFeed(self._rule, self._mean_over_ranks)
+        self._fed_by_hand = False  # observe_loss() was called since the last step
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
@@ -218,12 +219,6 @@ class MKOR(PreconditionedOptimizer):
     def captured_modules(self):
         """Names of modules whose statistics for the pending step are complete."""
         return [l.name for l in self._layers if self._capture.stats(l.name) is not None]
-
-    def masked(self, mask):
-        """Context manager: within it, rows of (B, T) token layers are selected by the
-        (B, T) ``mask`` (nonzero = real token), for models without an ``attention_mask``
-        keyword."""
-        return self._capture.token_mask(mask)
 
     def inverse_factors(self):
         """{name: (L_inv, R_inv)}: the stored inverse factors, None for a side the size
@@ -314,15 +309,21 @@ class MKOR(PreconditionedOptimizer):
         Distributed, the rule sees the mean loss over the ranks, so every rank switches at
         the same step. Returns whether MKOR has switched."""
         if self._feed is not None and not self._switched:
+            self._fed_by_hand = True
             self._feed.push(loss)
             if self._feed.flush():
                 self._switch()
         return self._switched
 
     def _observe(self, loss):
+        """This step's loss: ``loss`` (argument or closure), else one given to
+        :meth:`observe_loss` since the last step, else the model output's."""
+        fed_by_hand, self._fed_by_hand = self._fed_by_hand, False
         if self._feed is None or self._switched or self.options.hybrid_switch != "loss_rate":
             return
         tapped = self._feed.take_tapped()
+        if loss is None and fed_by_hand:
+            return
         loss = tapped if loss is None else loss
         if loss is None:
             self._warn_once("no loss", "MKOR: hybrid_switch='loss_rate' got no loss at step "

@@ -136,6 +136,12 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
         self.remove()
         return False
 
+    def masked(self, mask):
+        """Context manager: within it, rows of (B, T) token layers are selected by the
+        (B, T) ``mask`` (nonzero = real token), for models without an ``attention_mask``
+        keyword."""
+        return self._capture.token_mask(mask)
+
     @property
     def hooks_registered(self):
         return self._capture.registered
