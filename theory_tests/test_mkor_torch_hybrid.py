@@ -147,3 +147,79 @@ def test_closure_feeds_the_loss_rate_rule():
     assert not mkor.switched
     mkor.step(closure)   # n = 2 = 2W: the first check is slow (rate < 10): switch
     assert mkor.switched and mkor.switch_rule.switched_at == 1
+
+
+class _DictModel(nn.Module):
+    """Returns {"loss": ...} like a transformers model given labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        return {"loss": Fn.mse_loss(self.net(x), y)}
+
+
+def _run_switch(how):
+    """60 steps of MKOR-H on _DictModel, the loss passed ``how``; returns the switch step,
+    the rates, the parameters and how many times a tensor was read (Tensor.tolist)."""
+    reads = {"n": 0}
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads["n"] += 1
+        return real_tolist(self)
+
+    torch.manual_seed(0)
+    model = _DictModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    mkor = MKOR(model, opt, inv_freq=2, hybrid_switch="loss_rate", switch_window=5,
+                switch_check_every=5, switch_threshold=0.05, switch_patience=2)
+    torch.Tensor.tolist = counting_tolist
+    try:
+        for t in range(60):
+            x, y = _batch(t)
+            if how == "closure":
+                def closure():
+                    mkor.zero_grad()
+                    out = model(x, y)["loss"]
+                    out.backward()
+                    return out
+                mkor.step(closure)
+                continue
+            loss = model(x, y)["loss"]
+            loss.backward()
+            if how == "observe_loss":
+                mkor.observe_loss(loss.item())
+                mkor.step()
+            elif how == "step_loss":
+                mkor.step(loss=loss)
+            else:
+                mkor.step()
+            mkor.zero_grad()
+    finally:
+        torch.Tensor.tolist = real_tolist
+    rule = mkor.switch_rule
+    return rule.switched_at, list(rule.rates), [p.detach() for p in model.parameters()], reads["n"]
+
+
+@pytest.mark.parametrize("how", ["step_loss", "closure", "model_output"])
+def test_every_way_of_passing_the_loss_gives_the_same_switch(how):
+    """The rule sees the same losses whether they come as floats to observe_loss, as
+    tensors to step(loss=...), from a closure, or from the model output's "loss"; tensors
+    are read once per check (switch_check_every steps), not once per step."""
+    at, rates, params, reads = _run_switch(how)
+    ref_at, ref_rates, ref_params, _ = _run_switch("observe_loss")
+    assert at is not None and at == ref_at and rates == ref_rates
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    assert reads == len(rates) + 1  # one read per check (the first at n = 5 has no rate)
+
+
+def test_a_loss_rate_switch_without_losses_warns_once():
+    model, opt, mkor = _setup(hybrid_switch="loss_rate")
+    with pytest.warns(UserWarning, match="got no loss") as record:
+        for t in range(3):
+            _loss(model, t).backward()
+            mkor.step()
+            mkor.zero_grad()
+    assert sum("got no loss" in str(w.message) for w in record) == 1
