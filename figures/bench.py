@@ -1,6 +1,6 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mkor|memory] [--repeats 9] [--device cpu] [--json PATH]
+    python -m figures.bench [--only mars|mkor|hf|memory] [--repeats 9] [--device cpu] [--json PATH]
 
 * ``mars``: one optimizer step (no forward/backward) on a GPT-like parameter list (~30M
   parameters in ~100 tensors: embeddings, attention and MLP matrices, biases, norms) for
@@ -8,6 +8,8 @@
   baseline vs MARS-Lion, and torch Muon vs MARS-Shampoo on the matrices.
 * ``mkor``: a training step (forward + backward + step) of an MLP of 4 x Linear(1024) at batch
   1024 with SGD(momentum) alone, under MKOR (inv_freq=10) and under K-FAC.
+* ``hf``: training steps of a GPT-2-like and a ResNet-like transformers model at two batch
+  sizes, backbone alone against MKOR and K-FAC (:mod:`figures.bench_hf`).
 * ``memory``: optimizer-state bytes and peak step temporaries per parameter, vs AdamW.
 
 Runs are interleaved (every repeat times every contender once, in turn) and the median is
@@ -221,7 +223,7 @@ def _table(title, times, reference):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["mars", "mkor", "memory"])
+    parser.add_argument("--only", choices=["mars", "mkor", "hf", "memory"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the JSON document here")
@@ -268,6 +270,13 @@ def main(argv=None):
               f"model is {floor:.3f} ({5 * layers - 1} equal GEMMs against {3 * layers - 1}), "
               f"measured {measured:.3f}; MKOR / measured floor = "
               f"{report['mkor_over_floor']:.3f}")
+    if args.only in (None, "hf"):
+        from figures import bench_hf
+        results = bench_hf.bench_models(args.repeats, device, interleaved)
+        report["hf_train_step_seconds"] = {m: {str(b): t for b, t in r.items()}
+                                           for m, r in results.items()}
+        print("\nTraining step on transformers models (inv_freq 10), per step:\n"
+              + bench_hf.table(results))
     if args.only in (None, "memory"):
         report["memory"] = bench_memory(device)
         print("\n| optimizer | state bytes / param | peak step temporaries / param "

@@ -22,3 +22,16 @@ def test_memory_benchmark_counts_three_buffers_for_mars_two_for_adamw():
     # one denominator at a time, plus 0-d scalars (the clip norm and its clamp): a few bytes
     # over the largest parameter (1.6 MB here), i.e. below 1 + 1e-4
     assert report["MARS-AdamW loop"]["peak_temporary_over_largest_param"] <= 1.0 + 1e-4
+
+
+def test_transformers_benchmark_runs_on_tiny_models():
+    from figures import bench_hf
+    results = bench_hf.bench_models(
+        1, torch.device("cpu"), bench.interleaved,
+        gpt=lambda: bench_hf.gpt2_like(width=16, layers=1, heads=2, vocab=64, context=8),
+        resnet=lambda: bench_hf.resnet_like(widths=(4, 8), depths=(1, 1)),
+        gpt_batches=(2,), resnet_batches=(2,), context=8, image=16)
+    assert set(results) == {"GPT-2-like", "ResNet-like"}
+    for by_batch in results.values():
+        assert set(by_batch[2]) == {"backbone", "MKOR", "KFAC"}
+    assert "| GPT-2-like | 2 |" in bench_hf.table(results)
