@@ -90,9 +90,7 @@ class Stepper:
                 o.step()
             return
         w = self.wrapper
-        if isinstance(w, MKOR) and w.options.hybrid_switch == "loss_rate":
-            w.observe_loss(loss)
-        w.step()
+        w.step(loss=loss)  # MKOR-H reads it (batched: one read per switch check)
         if isinstance(w, MKOR) and w.switched and self.switch_step is None:
             self.switch_step = w.steps
 
