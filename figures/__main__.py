@@ -80,6 +80,7 @@ def main(argv=None):
     start = time.perf_counter()
     names = args.only or FIGURES
     records = {}  # {task: how its sweeps were made}, for the tuned JSON
+    blocked = []  # figures that could not be built: the exit status says so
 
     def record(name):
         module = importlib.import_module(f"figures.{name}")
@@ -104,17 +105,22 @@ def main(argv=None):
             line = f"swept {', '.join(done.args[0]) or 'nothing'}"
         except ModuleNotFoundError as err:  # an optional data package is missing: say so
             line = f"BLOCKED: {err}"
+            blocked.append(name)
         print(f"[{name}] {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if name in ctx.swept and name not in records:
             record(name)
     if ctx.swept:
         write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
     if ctx.sweep_only:
+        if blocked:
+            sys.exit(f"python -m figures: could not sweep {', '.join(blocked)}")
         return
     write_summary(ctx.out, C.load_tuned(tuned_path), tune, fallback,
                   (tuned_path.name, other.name))
     print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
           f"summary in {ctx.out / 'summary.md'}")
+    if blocked:
+        sys.exit(f"python -m figures: could not build {', '.join(blocked)}")
 
 
 def parallel_sweeps(args, mode, names):
