@@ -318,6 +318,14 @@ class Capture:
         for name in self._stats:
             self._stats[name] = _Stats()
 
+    def drop_committed(self):
+        """Drop the statistics of completed forward + backward pairs (their gradients are
+        being zeroed), keeping forwards that still wait for their backward: a
+        ``zero_grad()`` between a forward and its backward loses nothing."""
+        for st in self._stats.values():
+            st.a_sum = st.g_sum = None
+            st.a_count = st.g_count = 0
+
     def stats(self, name):
         """(a_sum, a_count, g_sum, g_count) of layer ``name``, or None if incomplete."""
         st = self._stats[name]

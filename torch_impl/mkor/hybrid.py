@@ -120,7 +120,7 @@ class LossFeed:
     Losses arrive as tensors or numbers: from :meth:`MKOR.step` (``loss=`` or a closure),
     from :meth:`MKOR.observe_loss`, or tapped from the model's output (a ``ModelOutput`` or
     dict with a scalar ``loss``, as every transformers model returns; the mean over the
-    micro-batches of a step). Tensors wait in a buffer until the rule can act, i.e. until
+    micro-batches of a step whose backward ran). Tensors wait in a buffer until the rule can act, i.e. until
     the next loss completes a multiple of ``check_every``; then one ``tolist()`` reads them
     all (one synchronisation per ``check_every`` steps, and, distributed, one all-reduce for
     the mean over ranks). The rule only decides at those steps, so its decisions, rates and
@@ -134,10 +134,13 @@ class LossFeed:
         self.tapped = []      # this step's losses read from the model output
 
     def tap(self, output):
-        """Forward hook body: keep a scalar ``loss`` of the model's output."""
+        """Forward hook body: a scalar ``loss`` of the model's output counts once its
+        backward runs (a hook on the loss tensor), so a forward that is never
+        back-propagated, or whose gradients are zeroed before the step, adds nothing."""
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-            self.tapped.append(loss.detach())
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+            value = loss.detach()
+            loss.register_hook(lambda grad: self.tapped.append(value))
 
     def take_tapped(self):
         """The mean of this step's tapped losses (a tensor), or None; clears them."""
@@ -170,7 +173,7 @@ class LossFeed:
         return False
 
     def drop(self):
-        """Forget this step's tapped losses (a skipped step)."""
+        """Forget the tapped losses of completed backwards (zeroed or skipped gradients)."""
         self.tapped = []
 
     def state_dict(self):

@@ -108,6 +108,16 @@ def _decompose(F, damping, method):
     return None, attempts
 
 
+def _to_device(value, device, dtype):
+    """A copy of a saved state entry on ``device``; floating tensors in the factor dtype."""
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device, dtype) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else None,
+                        copy=True)
+    return value
+
+
 class KFAC(PreconditionedOptimizer):
     """K-FAC as a ``torch.optim.Optimizer`` preconditioning a backbone (same API as MKOR).
 
@@ -216,8 +226,11 @@ class KFAC(PreconditionedOptimizer):
         return {n: (s.get("A"), s.get("G")) for n, s in self._state.items()
                 if "decomposed" in s or int(s["updates"]) > 0}
 
-    def _drop_statistics(self):
-        self._capture.reset()
+    def _drop_statistics(self, completed_only=False):
+        if completed_only:
+            self._capture.drop_committed()
+        else:
+            self._capture.reset()
 
     def preconditioner_state_dict(self):
         return {"steps": self._steps,
@@ -228,9 +241,20 @@ class KFAC(PreconditionedOptimizer):
 
     def load_preconditioner_state_dict(self, state):
         if set(state["layers"]) != set(self._state):
-            raise ValueError("state_dict layers do not match the preconditioned modules")
+            raise ValueError(f"state_dict layers {sorted(state['layers'])} do not match the "
+                             f"preconditioned modules {sorted(self._state)}")
+        loaded = {}
+        for name, saved in state["layers"].items():
+            own = self._state[name]
+            for key in ("A", "G"):
+                if (key in saved) != (key in own) or (
+                        key in own and saved[key].shape != own[key].shape):
+                    raise ValueError(f"{name}.{key}: the saved factor does not fit this layer "
+                                     "(a different model or max_factor_dim?)")
+            dev = own["updates"].device
+            loaded[name] = {k: _to_device(v, dev, self._dtype) for k, v in saved.items()}
         self._steps = state["steps"]
-        self._state = {n: dict(s) for n, s in state["layers"].items()}
+        self._state = loaded
 
     # -- the step -----------------------------------------------------------------------
     def _batch_factors(self):

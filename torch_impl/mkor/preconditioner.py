@@ -26,8 +26,8 @@ from .capture import Capture, weak_schedule
 from .config import MKOROptions
 from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
-from .distributed import OverlapCapture, VectorExchange, mean_over_ranks, world_size
-from .hybrid import LossFeed, LossRateSwitch
+from .distributed import OverlapCapture, VectorExchange, world_size
+from .hybrid_switching import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
 from .wrapper import PreconditionedOptimizer
@@ -47,7 +47,7 @@ def _grad_stat(layer, rows, mask):
     return grad_row_sum(_promote(rows), mask, layer.type.rows_per_sample(rows.shape[:-1]))
 
 
-class MKOR(PreconditionedOptimizer):
+class MKOR(HybridSwitching, PreconditionedOptimizer):
     r"""MKOR / MKOR-H: a ``torch.optim.Optimizer`` preconditioning a backbone optimizer.
 
     Usage::
@@ -158,15 +158,7 @@ class MKOR(PreconditionedOptimizer):
         if not self._layers:
             warn_nothing_preconditioned("MKOR", self._skipped)
         self._steps = 0
-        self._switched = False
-        self._rule = None
-        if o.hybrid_switch == "loss_rate" or o.switch_step is not None:
-            self._rule = LossRateSwitch(
-                o.switch_window, o.switch_check_every,
-                o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
-                o.switch_patience, o.switch_step)
-        self._feed = None if self._rule is None else LossFeed(self._rule, self._mean_over_ranks)
-        self._fed_by_hand = False  # observe_loss() was called since the last step
+        self._init_hybrid(o, unwrap_model(model))
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
@@ -179,26 +171,9 @@ class MKOR(PreconditionedOptimizer):
             self._layers, weak_schedule(self.factor_update_due), _input_stat, _grad_stat,
             **hooks)
         self._capture.register()
-        self._tap_handle = None
-        if o.hybrid_switch == "loss_rate":
-            feed = self._feed
-
-            def tap(module, args, output):
-                if module.training and torch.is_grad_enabled():
-                    feed.tap(output)
-            self._tap_handle = unwrap_model(model).register_forward_hook(tap)
         self._attach([unwrap_model(model)] + [l.module for l in self._layers])
 
     # -- introspection -----------------------------------------------------------------
-    @property
-    def switched(self):
-        """Whether MKOR-H has handed over to the backbone (one-way)."""
-        return self._switched
-
-    @property
-    def switch_rule(self):
-        return self._rule
-
     @property
     def payload_bytes(self):
         """Bytes each rank all-reduces per factor update (whether or not distributed):
@@ -285,63 +260,18 @@ class MKOR(PreconditionedOptimizer):
             self._feed.load_state_dict(state["losses"])
         self._grad_scale = state.get("grad_scale", self._grad_scale)
 
-    # -- MKOR-H -------------------------------------------------------------------------
-    def _switch(self):
-        """One-way hand-over: hooks removed, factors freed, backbone state kept."""
-        self._exchange.drop()
-        self._capture.remove()
-        if self._tap_handle is not None:
-            self._tap_handle.remove()
-        self._state = {}
-        self._switched = True
-        if self._rule is not None:
-            self._rule.force(self._steps)
-
-    def _mean_over_ranks(self, values):
-        if world_size(self.process_group) == 1:
-            return values
-        device = self._layers[0].module.weight.device if self._layers else "cpu"
-        return mean_over_ranks(values, device, self.process_group)
-
-    def observe_loss(self, loss):
-        """Feed one step's loss to the MKOR-H rule now (a float, or a tensor: reading it
-        is then a host sync here). ``step(loss=...)`` does the same without the sync.
-        Distributed, the rule sees the mean loss over the ranks, so every rank switches at
-        the same step. Returns whether MKOR has switched."""
-        if self._feed is not None and not self._switched:
-            self._fed_by_hand = True
-            self._feed.push(loss)
-            if self._feed.flush():
-                self._switch()
-        return self._switched
-
-    def _observe(self, loss):
-        """This step's loss: ``loss`` (argument or closure), else one given to
-        :meth:`observe_loss` since the last step, else the model output's."""
-        fed_by_hand, self._fed_by_hand = self._fed_by_hand, False
-        if self._feed is None or self._switched or self.options.hybrid_switch != "loss_rate":
-            return
-        tapped = self._feed.take_tapped()
-        if loss is None and fed_by_hand:
-            return
-        loss = tapped if loss is None else loss
-        if loss is None:
-            self._warn_once("no loss", "MKOR: hybrid_switch='loss_rate' got no loss at step "
-                            f"{self._steps}: pass step(loss=loss) or a closure, or return a "
-                            "model output with a .loss; the switch cannot fire without losses")
-            return
-        if self._feed.push(loss) and self._feed.flush():
-            self._switch()
-
     def remove(self):
         super().remove()
         if self._tap_handle is not None:
             self._tap_handle.remove()
 
     # -- the step -----------------------------------------------------------------------
-    def _drop_statistics(self):
+    def _drop_statistics(self, completed_only=False):
         self._exchange.drop()
-        self._capture.reset()
+        if completed_only:
+            self._capture.drop_committed()
+        else:
+            self._capture.reset()
         if self._feed is not None:
             self._feed.drop()
 

@@ -40,7 +40,7 @@ _OWNERS = weakref.WeakKeyDictionary()
 class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
     """Base class: subclasses set ``_state_key`` and implement :meth:`precondition`,
     :meth:`preconditioner_state_dict`, :meth:`load_preconditioner_state_dict` and
-    ``_drop_statistics``; they call :meth:`_bind` first in ``__init__`` and
+    ``_drop_statistics(completed_only=False)``; they call :meth:`_bind` first in ``__init__`` and
     :meth:`_attach` once their hooks exist."""
 
     _step_supports_amp_scaling = True
@@ -120,9 +120,11 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none=True):
-        """The backbone's ``zero_grad`` and drop statistics captured since the last step."""
+        """The backbone's ``zero_grad``, and drop what belongs to the zeroed gradients: the
+        statistics (and MKOR-H losses) of completed backwards. A forward still waiting for
+        its backward keeps its statistics, so ``zero_grad()`` may come between the two."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._drop_statistics()
+        self._drop_statistics(completed_only=True)
 
     def remove(self):
         """Detach every hook; from then on :meth:`step` steps the backbone only."""
