@@ -10,18 +10,9 @@ import torch.nn.functional as Fn
 
 from torch_impl.mkor import KFAC, MKOR
 
+from test_kfac_torch import Net  # conv -> fc -> norm -> out
+
 f64 = torch.float64
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
-        self.fc = nn.Linear(12, 5)
-        self.out = nn.Linear(5, 2, bias=False)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.fc(torch.relu(self.conv(x)).flatten(1))))
 
 
 def _net(seed=0):
