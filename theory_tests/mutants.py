@@ -1,0 +1,154 @@
+"""Curated mutants, one-line bugs in the math, keyed by the ``paper_notes/claims.md`` row
+whose tests must kill them (``theory_tests/mutation_harness.py`` runs them).
+
+``old`` must occur exactly once in ``path``; ``tests`` (optional) replaces the row's test
+column; ``equivalent`` (optional) says why a mutant cannot change behaviour, and such a
+mutant is expected to survive. Each row that names code has at least one mutant of it, in
+the oracle and in the port where each exists.
+"""
+from dataclasses import dataclass
+
+__all__ = ["Mutant", "MUTANTS"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    path: str
+    old: str
+    new: str
+    tests: tuple = ()
+    equivalent: str = None
+
+
+R_F, T_F = "reference/mkor_factors.py", "torch_impl/mkor/factors.py"
+R_M, R_V = "reference/mkor.py", "reference/mkor_vectors.py"
+T_V, T_C = "torch_impl/mkor/vectors.py", "torch_impl/mkor/capture.py"
+T_L, T_P = "torch_impl/mkor/layer_state.py", "torch_impl/mkor/preconditioner.py"
+T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/mkor/kfac.py"
+R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mkor/hybrid.py"
+T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
+
+MUTANTS = {
+    "K1": [
+        Mutant(T_D, "if reason is None and len(owners.get(id(weight), ())) > 1:",
+               "if reason is None and len(owners.get(id(weight), ())) > 2:"),
+        Mutant(T_LAYERS, "        return isinstance(module, nn.Linear)\n",
+               "        return type(module) is nn.Linear\n"),
+    ],
+    "K2": [
+        Mutant(R_M, "    return steps % inv_freq == 0 or steps < warmup_steps",
+               "    return steps % inv_freq == 1 or steps < warmup_steps"),
+        Mutant(T_P, "            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)",
+               "            self._steps % o.inv_freq == 0 or self._steps <= o.warmup_steps)"),
+    ],
+    "K3-K6": [
+        Mutant(R_V, "    g_bar = (n * g_rows).mean(axis=0)", "    g_bar = g_rows.mean(axis=0)"),
+        Mutant(R_V, "            top, left = i * dh, j * dw", "            top, left = j * dh, i * dw"),
+        Mutant(T_V, "    return total / rows_per_sample, n / rows_per_sample",
+               "    return total, n / rows_per_sample",
+               tests=("theory_tests/test_mkor_torch_capture.py::test_conv_vectors_match_explicit_unfold",)),
+        Mutant(T_LAYERS, "        return patches.transpose(1, 2)", "        return patches.flip(1).transpose(1, 2)",
+               tests=("theory_tests/test_mkor_torch_capture.py::test_conv_vectors_match_explicit_unfold",)),
+    ],
+    "K5": [
+        Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)"),
+        Mutant(T_W, "            self._step_scale = scale\n", "            self._step_scale = 1.0\n",
+               tests=("theory_tests/test_mkor_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
+    ],
+    "K7": [
+        Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
+        Mutant(T_F, "    return J - torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))",
+               "    return J + torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))"),
+    ],
+    "K8": [
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = 1 + (1 - gamma) * (v @ Jv)"),
+        Mutant(T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
+               "    denominator = gamma + gamma * torch.dot(v, Jv)"),
+        Mutant(T_F, "        kappa, w = 1.0 / gamma, (1 - gamma) / (gamma * (gamma + (1 - gamma) * q))",
+               "        kappa, w = 1.0 / gamma, (1 - gamma) / (gamma * (1 + (1 - gamma) * q))",
+               tests=("theory_tests/test_mkor_differential.py::test_factor_update_matches_the_oracle_for_every_option",)),
+    ],
+    "K9": [
+        Mutant(R_F, "    return gamma * J + coefficient * np.outer(Jv, v @ J)",
+               "    return gamma * J - coefficient * np.outer(Jv, v @ J)"),
+    ],
+    "K10": [
+        Mutant(R_F, "    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * np.eye(J.shape[0])",
+               "    blended = RELEASED_BLEND * J + RELEASED_BLEND * np.eye(J.shape[0])"),
+        Mutant(T_F, "    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * _eye_like(J)",
+               "    blended = RELEASED_BLEND * J + 0.5 * _eye_like(J)"),
+    ],
+    "K11": [
+        Mutant(R_F, "    return zeta * J + (1 - zeta) * np.eye(J.shape[0])", "    return zeta * J + zeta * np.eye(J.shape[0])"),
+        Mutant(T_F, "    return zeta * J + (1 - zeta) * _eye_like(J)", "    return zeta * J"),
+    ],
+    "K12": [
+        Mutant(R_F, "        return np.eye(J.shape[0]), False", "        return J.copy(), False"),
+        Mutant(T_F, "        w = torch.where(flag, scalar(0.0), w)", "        w = torch.where(flag, scalar(1.0), w)",
+               tests=("theory_tests/test_mkor_differential.py::test_factor_update_matches_the_oracle_for_every_option",)),
+    ],
+    "K13": [
+        Mutant(R_M, "    delta = L_inv @ G_hat @ R_inv", "    delta = L_inv @ G_hat @ R_inv.T @ R_inv"),
+        Mutant(T_F, "    x_b = torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])",
+               "    x_b = torch.addmv(grad_b.reshape(-1), G, R_inv[:d, d])",
+               tests=("theory_tests/test_mkor_torch_factors.py::test_precondition_splits_bias_and_round_trips_conv_layout",)),
+    ],
+    "K14": [
+        Mutant(R_M, "    s = grad_norm / delta_norm", "    s = delta_norm / grad_norm"),
+        Mutant(T_F, "            delta_norm = delta_norm + torch.linalg.vector_norm(delta_b).square()",
+               "            delta_norm = delta_norm + torch.linalg.vector_norm(delta_b)"),
+    ],
+    "K15": [
+        Mutant(T_W, "        self.precondition()\n        self.optimizer.step()\n",
+               "        self.precondition()\n"),
+    ],
+    "K2–K14": [
+        Mutant(R_M, "            out.append(rescale(delta_W, delta_b, grad_W, grad_b, self.config.rescale))",
+               "            out.append((delta_W, delta_b))"),
+        Mutant(T_L, "    delta_W, delta_b = rescale(delta_W, delta_b if counted_b else None, grad_W,",
+               "    delta_W, delta_b = rescale(delta_W * 2, delta_b if counted_b else None, grad_W,"),
+        Mutant(T_L, "    ok_a, fired_a = update(\"R_inv\", R, a_bar, s[\"updates_a\"] == 0, flag_a)",
+               "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 1.5, s[\"updates_a\"] == 0, flag_a)"),
+    ],
+    "K16": [
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)\n    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma)",
+               "    denominator = gamma + (1 - gamma) * (v @ Jv)\n    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma ** 0.5)"),
+    ],
+    "K17": [
+        Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))", "    return symmetrise(sherman_morrison(blended, 2 * v))"),
+    ],
+    "K18": [
+        Mutant(R_H, "self.slow_checks + 1 if not r_t >= self.threshold else 0",
+               "self.slow_checks + 1 if not r_t > self.threshold else 0",
+               equivalent="differs only when r_t equals the threshold exactly"),
+        Mutant(T_H, "        return (older - newer) / (w * abs(older))", "        return (older - newer) / abs(older)"),
+        Mutant(T_H, "        return (self.rule.t + len(self.buffer)) % self.rule.check_every == 0",
+               "        return (self.rule.t + len(self.buffer)) % self.rule.check_every == 1",
+               tests=("theory_tests/test_mkor_torch_hybrid.py::test_every_way_of_passing_the_loss_gives_the_same_switch",)),
+    ],
+    "K19": [
+        Mutant(R_K, "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + damping)) @ QA.T",
+               "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
+        Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
+        Mutant(T_K, "            nu = nu.clamp(max=1.0)", "            nu = nu.clamp(max=2.0)"),
+    ],
+    "PORT-LAYERS": [
+        Mutant(T_LAYERS, "        return module.weight.grad.T\n", "        return module.weight.grad.T.flip(0)\n",
+               tests=("theory_tests/test_mkor_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
+        Mutant(T_D, "self.has_bias = module.bias is not None and module.bias.requires_grad",
+               "self.has_bias = module.bias is not None"),
+    ],
+    "PORT-PAIRING": [
+        Mutant(T_C, "        if st.g_sum is not None and layer.module.weight.grad is None:", "        if False:"),
+        Mutant(T_V, "    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()",
+               "    return rows.sum(dim=lead), mask.sum()"),
+        Mutant(T_C, "            self._commit(layer, a_stat, mask, to_rows(grad))",
+               "            self._commit(layer, a_stat, None, to_rows(grad))",
+               equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
+    ],
+    "PORT-KFAC-ACCUM": [
+        Mutant(R_K, "    g = n * g\n", "    g = g\n", tests=("theory_tests/test_kfac_reference.py",)),
+        Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
+        Mutant(T_K, "                    s[key] = torch.where(ok, blended, s[key])", "                    s[key] = blended"),
+    ],
+}

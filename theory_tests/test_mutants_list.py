@@ -1,0 +1,27 @@
+"""The curated mutant list (``theory_tests/mutants.py``) follows the code and the claim index:
+every key is a row of ``paper_notes/claims.md``, every mutant's text occurs exactly once in
+its file (so it still applies), changes it, and every equivalent mutant says why. Running the
+mutants is ``python theory_tests/mutation_harness.py`` (minutes, not part of ``pytest``)."""
+from pathlib import Path
+
+import pytest
+
+from mutants import MUTANTS
+from test_claims_index import claim_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL = [(row, i, m) for row, ms in MUTANTS.items() for i, m in enumerate(ms)]
+
+
+def test_every_key_is_a_claim_row():
+    ids = {row["id"] for row in claim_rows()}
+    assert set(MUTANTS) <= ids, sorted(set(MUTANTS) - ids)
+
+
+@pytest.mark.parametrize("row, index, mutant", ALL, ids=[f"{r}#{i}" for r, i, _ in ALL])
+def test_each_mutant_still_applies(row, index, mutant):
+    text = (ROOT / mutant.path).read_text()
+    assert mutant.path.startswith(("reference/", "torch_impl/"))
+    assert text.count(mutant.old) == 1, f"{row}#{index}: the text occurs {text.count(mutant.old)} times"
+    assert mutant.new != mutant.old
+    assert mutant.equivalent is None or len(mutant.equivalent) > 10
