@@ -64,25 +64,68 @@ def _pytest_ids(tests):
     return [t.split("[")[0] for t in tests]
 
 
+# A worker process that imports the heavy dependencies once, then forks one child per run:
+# each child imports the project afresh from the copy (the server never imports it).
+_SERVER = r"""
+import json, os, sys
+import numpy, torch, pytest, hypothesis, sympy  # noqa: F401  (preloaded once)
+try:
+    import transformers, transformers.modeling_utils  # noqa: F401
+except ImportError:
+    pass
+assert not any(m.split(".")[0] in ("torch_impl", "reference") for m in sys.modules)
+workdir, log = sys.argv[1], sys.argv[2]
+for line in sys.stdin:
+    args = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(workdir)
+        sys.path.insert(0, workdir)
+        code = pytest.main(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+"""
+
+
 class Workspace:
-    """One copy of the project per worker, made once; each mutant is applied to it, run and
-    reverted (the original text is written back), so a mutant never outlives its run."""
+    """One copy of the project per worker, made once, and its test server; each mutant is
+    applied to the copy, run and reverted (the original text is written back), so a mutant
+    never outlives its run."""
 
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="mutants-"))
         _copy_project(self.dir)
-        self.env = dict(os.environ, PYTHONPATH=str(self.dir), PYTHONDONTWRITEBYTECODE="1")
+        self.log = self.dir / "pytest.log"
+        env = dict(os.environ, PYTHONPATH=str(self.dir), PYTHONDONTWRITEBYTECODE="1")
         # The copy must shadow an editable install of the project: check that it does.
         probe = subprocess.run([sys.executable, "-c", "import torch_impl, reference; "
                                 "print(torch_impl.__file__); print(reference.__file__)"],
-                               cwd=self.dir, env=self.env, capture_output=True, text=True)
+                               cwd=self.dir, env=env, capture_output=True, text=True)
         if not all(line.startswith(str(self.dir)) for line in probe.stdout.split()):
             raise RuntimeError(f"the copy is not what imports: {probe.stdout!r} {probe.stderr}")
+        self.server = subprocess.Popen([sys.executable, "-c", _SERVER, str(self.dir),
+                                        str(self.log)], cwd=self.dir, env=env, text=True,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def close(self):
+        self.server.stdin.close()
+        self.server.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def run(self, row_id, index, mutant, timeout=600):
+    def _pytest(self, args):
+        self.server.stdin.write(json.dumps(args) + "\n")
+        self.server.stdin.flush()
+        code = json.loads(self.server.stdout.readline())
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        return code, lines[-1:] if lines else []
+
+    def run(self, row_id, index, mutant):
         """Apply one mutant, run its tests, revert; returns a result dict."""
         tests = mutant.tests or row_tests(row_id)
         start = time.perf_counter()
@@ -94,14 +137,9 @@ class Workspace:
             return dict(result, status="stale", seconds=0.0,
                         detail=f"the text to replace occurs {count} times")
         target.write_text(original.replace(mutant.old, mutant.new))
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               "--no-header", "-m", "not cuda", *_pytest_ids(tests)]
         try:
-            proc = subprocess.run(cmd, cwd=self.dir, env=self.env, capture_output=True,
-                                  text=True, timeout=timeout)
-            code, tail = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()[-1:]
-        except subprocess.TimeoutExpired:
-            code, tail = -1, ["timed out"]
+            code, tail = self._pytest(["-x", "-q", "-p", "no:cacheprovider", "--no-header",
+                                       "-m", "not cuda", *_pytest_ids(tests)])
         finally:
             target.write_text(original)
         if code == 1:
