@@ -27,6 +27,7 @@ T_L, T_P = "torch_impl/mkor/layer_state.py", "torch_impl/mkor/preconditioner.py"
 T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/mkor/kfac.py"
 R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mkor/hybrid.py"
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
+T_DIST = "torch_impl/mkor/distributed.py"
 
 MUTANTS = {
     "K1": [
@@ -131,6 +132,107 @@ MUTANTS = {
                "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
         Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
         Mutant(T_K, "            nu = nu.clamp(max=1.0)", "            nu = nu.clamp(max=2.0)"),
+    ],
+    "L3.1": [
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = gamma - (1 - gamma) * (v @ Jv)"),
+        Mutant(T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
+               "    denominator = gamma - (1 - gamma) * torch.dot(v, Jv)",
+               tests=("theory_tests/test_mkor_torch_factors.py::test_ema_inverse_update_is_the_inverse_of_the_factor_ema",)),
+    ],
+    "KT1": [
+        Mutant(R_F, "    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma)",
+               "    return symmetrise((J - np.outer(Jv, vJ) / denominator) / gamma)"),
+        Mutant(T_F, "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma)",
+               "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma ** 2)"),
+    ],
+    "KT2": [
+        Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 + 2 * (v @ Jv))"),
+        Mutant(T_F, "    return J - torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))",
+               "    return J - torch.outer(Jv, vJ) / (2 + torch.dot(v, Jv))",
+               tests=("theory_tests/test_mkor_torch_factors.py::test_sherman_morrison_is_the_inverse_of_the_rank1_update",)),
+    ],
+    "KT3": [
+        Mutant(R_F, "    return (J + J.T) / 2", "    return (J + J.T) / 2 - 1e-3 * np.eye(J.shape[0])"),
+        Mutant(T_F, "    J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-1.0)",
+               "    J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-2.0)",
+               tests=("theory_tests/test_mkor_torch_factors.py::test_factor_update_before_sm_blends_then_updates",)),
+    ],
+    "KT4": [
+        Mutant(R_F, "RELEASED_BLEND = 0.95\n", "RELEASED_BLEND = 0.9\n"),
+        Mutant(T_F, "RELEASED_BLEND = 0.95\n", "RELEASED_BLEND = 0.99\n",
+               tests=("theory_tests/test_mkor_torch_factors.py::test_released_update_is_sm_of_the_blended_inverse_and_stays_in_its_bounds",
+                      "theory_tests/test_mkor_torch_factors.py::test_paper_variant_first_trigger_at_update_14")),
+    ],
+    "KT5": [
+        Mutant(R_F, "    return zeta * J + (1 - zeta) * np.eye(J.shape[0])", "    return (1 - zeta) * J + zeta * np.eye(J.shape[0])"),
+        Mutant(T_F, "    return zeta * J + (1 - zeta) * _eye_like(J)", "    return zeta * J + (1 - zeta) * 2 * _eye_like(J)"),
+    ],
+    "KT6": [
+        Mutant(R_M, "    if grad_norm == 0.0 or not (0.0 < delta_norm < np.inf):",
+               "    if not (0.0 < delta_norm < np.inf):",
+               equivalent="a zero gradient gives s = 0 and s Delta = 0, the gradient itself"),
+        Mutant(T_F, "    usable = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)",
+               "    usable = (delta_norm > 0) & torch.isfinite(delta_norm)",
+               equivalent="a zero gradient gives s = 0 and s Delta = 0, the gradient itself"),
+        Mutant(R_M, "    if grad_norm == 0.0 or not (0.0 < delta_norm < np.inf):",
+               "    if grad_norm == 0.0 or not (0.0 < delta_norm):",
+               equivalent="an infinite Delta gives s = 0 and a NaN product, which the oracle's "
+                          "finite-product check returns as the raw gradient"),
+        Mutant(T_F, "    usable = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)",
+               "    usable = (grad_norm != 0) & (delta_norm > 0)"),
+    ],
+    "KT7": [
+        Mutant(R_M, "            if layer.get(\"sgd\", False):", "            if not layer.get(\"sgd\", False):"),
+        Mutant(T_L, "    L_inv, R_inv = s.get(\"L_inv\"), s.get(\"R_inv\")",
+               "    L_inv, R_inv = s.get(\"L_inv\") * 2, s.get(\"R_inv\")",
+               equivalent="a factor scaled by 2 doubles Delta, which the norm-preserving rescale undoes"),
+    ],
+    "KT8": [
+        Mutant(R_V, "    a_bar = a_rows.mean(axis=0)", "    a_bar = a_rows.sum(axis=0)"),
+        Mutant(T_V, "    return (_with_one(total, n) if has_bias else total), n\n\n\ndef linear_grad_sum",
+               "    return (_with_one(total, n + 1) if has_bias else total), n\n\n\ndef linear_grad_sum"),
+        Mutant(T_V, "            else n.reshape(1).to(total.dtype))", "            else n.reshape(1).to(total.dtype) + 1)",
+               tests=("theory_tests/test_preconditioner_semantics.py::test_masked_a_bar_is_the_mean_over_real_rows",)),
+    ],
+    "KT9": [
+        Mutant(R_M, "    return delta[:, :-1].reshape(grad_W.shape), delta[:, -1].copy()",
+               "    return delta[:, 1:].reshape(grad_W.shape), delta[:, 0].copy()"),
+        Mutant(T_F, "    X = torch.mm(G, R_inv[:d, :d], out=X).addr_(grad_b.reshape(-1), R_inv[d, :d])",
+               "    X = torch.mm(G, R_inv[:d, :d], out=X).addr_(grad_b.reshape(-1), R_inv[:d, d] * 0)"),
+    ],
+    "KT10": [
+        Mutant(R_M, "    return steps % inv_freq == 0 or steps < warmup_steps",
+               "    return steps % inv_freq == 0 and steps >= warmup_steps"),
+        Mutant(T_P, "            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)",
+               "            self._steps % o.inv_freq == 0)",
+               tests=("theory_tests/test_mkor_torch_capture.py::test_hooks_capture_only_in_train_mode_with_grad_and_on_schedule",)),
+    ],
+    "KT11": [
+        Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))",
+               "    return symmetrise(np.linalg.inv(np.linalg.inv(blended) + np.outer(v, v)))"),
+        Mutant(T_F, "    u = alpha * (J @ v) + beta * v", "    u = alpha * torch.linalg.solve(torch.linalg.inv(J), v) + beta * v"),
+    ],
+    "KT12": [
+        Mutant(T_DIST, "            mean = buffer[start:start + sum(sizes)].to(out_dtype) / count.clamp(min=1)",
+               "            mean = buffer[start:start + sum(sizes)].to(out_dtype)"),
+        Mutant(T_DIST, "        return self.numel * torch.empty((), dtype=self.dtype).element_size()",
+               "        return self.numel * 4"),
+    ],
+    "KT13": [
+        Mutant(T_L, "    ok_g, fired_g = update(\"L_inv\", L, g_bar, s[\"updates_g\"] == 0, flag_g)",
+               "    ok_g, fired_g = update(\"L_inv\", L, g_bar * 1.001, s[\"updates_g\"] == 0, flag_g)"),
+        Mutant(R_M, "    G_hat = grad_W.reshape(d_out, -1)\n", "    G_hat = grad_W.reshape(d_out, -1) * 1.001\n",
+               equivalent="a uniform scale of G_hat is undone by the norm-preserving rescale"),
+    ],
+    "KT14": [
+        Mutant("torch_impl/mkor/hybrid_switching.py", "        self._state = {}\n        self._switched = True",
+               "        self._switched = True"),
+        Mutant(R_H, "        if self.switch_step is not None and t >= self.switch_step:",
+               "        if self.switch_step is not None and t > self.switch_step:"),
+    ],
+    "P-MKOR-convergence": [
+        Mutant(T_L, "    ok_a, fired_a = update(\"R_inv\", R, a_bar, s[\"updates_a\"] == 0, flag_a)",
+               "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 0, s[\"updates_a\"] == 0, flag_a)"),
     ],
     "PORT-LAYERS": [
         Mutant(T_LAYERS, "        return module.weight.grad.T\n", "        return module.weight.grad.T.flip(0)\n",

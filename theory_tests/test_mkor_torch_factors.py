@@ -196,6 +196,8 @@ def test_rescale_preserves_the_norm_and_guards_zero(mode):
     assert torch.equal(oW, gW) and torch.equal(ob, gb)
     oW, ob = F.rescale(torch.full_like(dW, float("nan")), db, gW, gb, mode)
     assert torch.equal(oW, gW) and torch.equal(ob, gb)
+    oW, ob = F.rescale(torch.full_like(dW, float("inf")), db, gW, gb, mode)  # inf norm
+    assert torch.equal(oW, gW) and torch.equal(ob, gb)
     oW, _ = F.rescale(dW, None, gW, None, mode)  # no bias
     assert torch.isclose(oW.norm(), gW.norm(), rtol=1e-14)
 
