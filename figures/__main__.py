@@ -18,7 +18,7 @@ import time
 from . import common as C
 
 FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
-           "shakespeare_gpt", "cost")
+           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation")
 
 
 def parse(argv):

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from torch_impl import KFAC, MARS, MKOR
+from torch_impl import KFAC, LAMB, MARS, MKOR
 
 
 class Lion(torch.optim.Optimizer):
@@ -46,11 +46,14 @@ DEFAULTS = {
     # damping 0.1, not K-FAC's 1e-3: on these small-batch tasks 1e-3 diverges at every lr
     # (mnist1d probe over damping {1e-3, 1e-2, 1e-1} x lr {0.03, 0.1}, README "Figures").
     "K-FAC": dict(inv_freq=10, damping=0.1, backbone="sgd"),
+    # LAMB, MKOR's BERT backbone (torch_impl.mkor.LAMB), with BERT's weight decay 0.01; MKOR,
+    # MKOR-H and K-FAC run on it with the spec override ("backbone", "lamb").
+    "LAMB": dict(betas=(0.9, 0.999), weight_decay=0.01),
 }
 # Centre of each lr grid (the grid is centre * 10^(k/2), k = -2..2, extended at an edge).
 CENTER = {"SGD": 0.1, "AdamW": 1e-3, "Lion": 1e-4, "MARS-AdamW": 3e-3, "MARS-Lion": 3e-4,
           "MARS-Shampoo": 1e-2, "Muon": 2e-2, "MKOR": 0.1, "MKOR-released": 0.1,
-          "MKOR-H": 0.1, "K-FAC": 0.1}
+          "MKOR-H": 0.1, "K-FAC": 0.1, "LAMB": 1e-2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Stepper:
 def _backbone(name, params, lr):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "lamb":
+        return LAMB(params, lr=lr, **DEFAULTS["LAMB"])
     return torch.optim.AdamW(params, lr=lr, **DEFAULTS["AdamW"])
 
 
@@ -114,6 +119,8 @@ def build(spec, model, lr):
         return Stepper([torch.optim.AdamW(params, lr=lr, **kw)])
     if base == "Lion":
         return Stepper([Lion(params, lr=lr, **kw)])
+    if base == "LAMB":
+        return Stepper([LAMB(params, lr=lr, **kw)])
     if base.startswith("MARS"):
         return Stepper([MARS(params, lr=lr, **kw)])
     if base == "Muon":  # Muon on the 2-D Linear weights, AdamW on everything else
