@@ -390,3 +390,21 @@ def test_a_plain_backbone_checkpoint_loads_with_a_warning(cls):
     _step(model, pre, 0)
     with pytest.warns(UserWarning, match="only the backbone"):
         pre.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_state_dict_hooks_run_as_in_torch_optim(cls):
+    """register_state_dict_{pre,post}_hook and register_load_state_dict_{pre,post}_hook (used
+    by checkpointing tools) run around the combined state_dict, as for any torch optimizer."""
+    model = _mlp()
+    opt, pre = _make(cls, model)
+    _step(model, pre, 0)
+    calls = []
+    pre.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    pre.register_state_dict_post_hook(lambda o, sd: dict(sd, tagged=True))
+    pre.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load", "tagged" in sd)))
+    pre.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    state = pre.state_dict()
+    assert state["tagged"] and pre._state_key in state
+    pre.load_state_dict(state)
+    assert calls == ["pre", ("load", True), "loaded"]

@@ -238,14 +238,20 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
     def state_dict(self):
         """The backbone's ``state_dict()`` plus this preconditioner's state under
         ``_state_key`` (``"mkor"`` / ``"kfac"``): one checkpoint resumes both."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim does
+            hook(self)
         state = self.optimizer.state_dict()
         state[self._state_key] = self.preconditioner_state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state = hook(self, state) or state
         return state
 
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict` output. A plain backbone ``state_dict`` loads too (the
         preconditioner then keeps its state, with a warning), and so does the older
         preconditioner-only format (``{"steps", "layers", ..., "optimizer"?}``)."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch.optim does
+            state_dict = hook(self, state_dict) or state_dict
         state = dict(state_dict)
         own = state.pop(self._state_key, None)
         if own is None and "layers" in state and "param_groups" not in state:
@@ -262,3 +268,5 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
         except Exception:
             self.load_preconditioner_state_dict(backup)
             raise
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
