@@ -47,16 +47,20 @@ class MARS(Optimizer):
 
     Args (names and defaults of the official class):
         params: iterable of parameters or parameter-group dicts.
-        lr (float): :math:`\eta`. Default ``3e-3``.
+        lr (float or Tensor): :math:`\eta` (a one-element CPU tensor, as torch.optim.AdamW
+            takes). Default ``3e-3``.
         betas (tuple): :math:`(\beta_1, \beta_2)`. Default ``(0.95, 0.99)``.
         eps (float): :math:`\epsilon`; also Newton-Schulz's eps. Default ``1e-8``.
         weight_decay (float): :math:`\lambda`, decoupled. Default ``0``.
-        amsgrad (bool): use :math:`\bar v_t` (M9). Default ``False``.
+        amsgrad (bool): use :math:`\bar v_t` (M9) in the AdamW rule; a ValueError with
+            mars-lion, or mars-shampoo without ``optimize_1d``, where it could act on nothing.
+            Default ``False``.
         gamma (float): :math:`\gamma \in [0, 1]` (0: plain EMA, i.e. AdamW/Lion; 1: STORM).
             Default ``0.025``.
         is_approx (bool): ``True`` for (M2); ``False`` for the exact correction (M1), which needs
             ``step(closure)`` and costs a second forward+backward per step plus one
-            parameter-sized buffer (x_{t-1}). Default ``True``.
+            parameter-sized buffer (x_{t-1}); the authors' loop (``update_previous_grad()``
+            on the next batch, ``step()``, ``update_last_grad()``) also works. Default ``True``.
         mars_type (str): ``"mars-adamw"``, ``"mars-lion"`` or ``"mars-shampoo"``.
         optimize_1d (bool): send non-2-D tensors through MARS too. Default ``False``.
         lr_1d (float), betas_1d (tuple), weight_decay_1d (float): the fallback's
@@ -112,26 +116,28 @@ class MARS(Optimizer):
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
                  state_dtype=None, maximize=False, foreach=None, compiled=False,
                  shape_layout="out_in"):
-        _check_number("lr", lr, low=0.0)
+        lr_value = _lr_value(lr)
         _check_number("lr_1d", lr_1d, low=0.0)
-        if lr == 0.0 and lr_1d != 0.0:
+        if lr_value == 0.0 and lr_1d != 0.0:
             raise ValueError("lr_1d: the 1-D learning rate is kept as the ratio lr_1d / lr, "
                              "which is undefined for lr = 0; pass the peak lr and let a "
                              "scheduler scale it")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         gamma=gamma, is_approx=is_approx, mars_type=mars_type,
-                        optimize_1d=optimize_1d, lr_1d_factor=lr_1d / lr if lr > 0 else 0.0,
+                        optimize_1d=optimize_1d,
+                        lr_1d_factor=lr_1d / lr_value if lr_value > 0 else 0.0,
                         betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, maximize=maximize, foreach=foreach,
-                        compiled=compiled, shape_layout=shape_layout)
+                        compiled=compiled, shape_layout=shape_layout, differentiable=False)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
         if "lr_1d" in param_group:  # a group's own 1-D lr, kept as a ratio to the group's lr
             param_group = dict(param_group)
-            lr_1d, lr = param_group.pop("lr_1d"), param_group.get("lr", self.defaults["lr"])
+            lr_1d = param_group.pop("lr_1d")
+            lr = _lr_value(param_group.get("lr", self.defaults["lr"]))
             _check_number("lr_1d", lr_1d, low=0.0)
             if lr == 0.0 and lr_1d != 0.0:
                 raise ValueError("lr_1d: a group with lr = 0 cannot define lr_1d / lr")
@@ -153,6 +159,9 @@ class MARS(Optimizer):
         for group in self.param_groups:  # back-fill options added after a checkpoint was made
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        for st in self.state.values():  # a numeric step (older torch, other MARS ports)
+            if "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]))
 
     def load_state_dict(self, state_dict):
         """``Optimizer.load_state_dict``, keeping a ``state_dtype`` that differs from the
@@ -287,8 +296,19 @@ def _true_shape_scale(p, group):
     return None
 
 
+def _lr_value(lr):
+    """The lr as a number: a float, or a one-element (CPU) tensor as torch.optim.AdamW takes;
+    it is read on the host at every step, so a CUDA tensor would synchronise and is refused."""
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or lr.is_cuda:
+            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
+        lr = lr.item()
+    _check_number("lr", lr, low=0.0)
+    return lr
+
+
 def _validate_group(g):
-    _check_number("lr", g["lr"], low=0.0)
+    _lr_value(g["lr"])
     _check_number("eps", g["eps"], low=0.0)
     _check_number("weight_decay", g["weight_decay"], low=0.0)
     _check_number("gamma", g["gamma"], low=0.0, high=1.0)
@@ -311,6 +331,13 @@ def _validate_group(g):
     for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize"):
         if not isinstance(g[flag], bool):
             raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
+    if g["amsgrad"] and (g["mars_type"] == "mars-lion" or
+                         (g["mars_type"] == "mars-shampoo" and not g["optimize_1d"])):
+        raise ValueError(f"amsgrad: {g['mars_type']} keeps no second moment on these tensors "
+                         "(only the AdamW rule does: mars-adamw, or mars-shampoo's non-2-D "
+                         "tensors with optimize_1d=True), so amsgrad=True would be ignored")
+    if g["differentiable"]:
+        raise ValueError("differentiable: MARS does not support differentiable=True")
     if g["foreach"] not in (None, True, False):
         raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:

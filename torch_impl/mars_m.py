@@ -196,8 +196,8 @@ def _tensor_steps(state):
 def _validate_group(g):
     lr = g["lr"]
     if torch.is_tensor(lr):
-        if lr.numel() != 1:
-            raise ValueError("lr: a tensor lr must have one element")
+        if lr.numel() != 1 or lr.is_cuda:  # read on the host each step: CUDA would sync
+            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
         lr = lr.item()
     check_number("lr", lr, low=0.0)
     check_number("weight_decay", g["weight_decay"], low=0.0)
