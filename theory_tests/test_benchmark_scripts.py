@@ -2,6 +2,7 @@
 never asserted here: benchmarks are scripts, and these machines are too noisy for timed tests."""
 import json
 
+import pytest
 import torch
 
 from figures import bench, bench_factor_update
@@ -22,3 +23,14 @@ def test_memory_benchmark_counts_three_buffers_for_mars_two_for_adamw():
     # one denominator at a time, plus 0-d scalars (the clip norm and its clamp): a few bytes
     # over the largest parameter (1.6 MB here), i.e. below 1 + 1e-4
     assert report["MARS-AdamW loop"]["peak_temporary_over_largest_param"] <= 1.0 + 1e-4
+
+
+@pytest.mark.slow
+def test_mars_m_benchmark_runs_on_a_tiny_list():
+    """The whole MARS-M table at a tiny size (slow: it compiles Muon's and MARS-M's steps)."""
+    times, ratios, compile_s = bench.bench_mars_m(1, torch.device("cpu"), vocab=16, d=8,
+                                                  layers=1, ctx=8)
+    assert set(ratios) == {"eager: best MARS-M eager / Muon eager",
+                           "compiled: MARS-M compiled / Muon compiled"}
+    assert all(t > 0 for t in times.values()) and set(compile_s) == {
+        "Muon (torch) compiled", "MARS-M compiled"}

@@ -29,6 +29,7 @@ def _grads(t, shapes=SHAPES, scale=1.0):
     (dict(foreach="yes"), "foreach"), (dict(efficient=True, is_approx=False), "efficient"),
     (dict(efficient=True, momentum=0.0), "momentum"), (dict(lr=torch.tensor([1.0, 2.0])), "lr"),
     (dict(shape_layout="rows"), "shape_layout"), (dict(maximize=None), "maximize"),
+    (dict(compiled="group"), "compiled"),
 ])
 def test_invalid_hyperparameter_raises_value_error_naming_it(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -215,3 +216,28 @@ def test_step_reads_only_cpu_step_counters(kw, foreach, monkeypatch):
     monkeypatch.undo()
     counters = [opt.state[p]["step"] for p in params]
     assert reads and all(any(r is c for c in counters) for r in reads)
+
+
+# ------------------------------------------------------------------ compiled=True
+
+@pytest.mark.slow
+def test_compiled_matches_the_eager_loop_float64():
+    """``compiled=True`` runs the same equation functions under torch.compile: equal to the
+    loop to a few ulps (Inductor may reassociate), for every matrix orientation and the
+    backup, with and without the clip, and the efficient recursion."""
+    import torch._dynamo
+    shapes = [(6, 4), (5,), (3, 7), (7, 3), (2, 2, 2)]
+    for kw in (dict(), dict(efficient=True, clip_c=False), dict(maximize=True, gamma=0.4)):
+        torch._dynamo.reset()  # each configuration compiles its own variants
+        a = make_params(shapes, 11)
+        b = clone_params(a)
+        opt_a = MARSM(a, lr=0.05, ns_dtype=F64, **kw)
+        opt_b = MARSM(b, lr=0.05, ns_dtype=F64, compiled=True, **kw)
+        for t in range(4):
+            grads = _grads(t, shapes, 3.0)
+            feed(opt_a, a, grads)
+            feed(opt_b, b, grads)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-13, atol=1e-15)
+            for key, value in opt_a.state[p].items():
+                torch.testing.assert_close(opt_b.state[q][key], value, rtol=1e-13, atol=1e-15)

@@ -58,6 +58,8 @@ class MARSM(Optimizer):
             0.2 sqrt(max(A, B)) is symmetric, so this only documents the layout; kept for
             symmetry with ``MARS``.
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
+        compiled (bool): one ``torch.compile``d call per tensor (``mars_m_compiled.py``; the
+            same equation functions), fusing the correction with Newton-Schulz and the update.
 
     State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
     ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
@@ -73,12 +75,12 @@ class MARSM(Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, ns_steps=5,
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
-                 shape_layout="out_in", maximize=False, foreach=None):
+                 shape_layout="out_in", maximize=False, foreach=None, compiled=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                         gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
                         shape_layout=shape_layout, maximize=maximize, foreach=foreach,
-                        differentiable=False)
+                        compiled=compiled, differentiable=False)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -174,7 +176,7 @@ class MARSM(Optimizer):
 
 
 _KEYWORDS = ("lr", "weight_decay", "momentum", "gamma", "ns_steps", "ns_dtype", "clip_c",
-             "adamw_betas", "adamw_eps", "maximize", "foreach")
+             "adamw_betas", "adamw_eps", "maximize", "foreach", "compiled")
 
 
 def _kind(p, group):
@@ -216,6 +218,8 @@ def _validate_group(g):
             raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
     if g["foreach"] not in (None, True, False):
         raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
+    if not isinstance(g["compiled"], bool):
+        raise ValueError(f"compiled: expected a bool, got {g['compiled']!r}")
     if g["differentiable"]:
         raise ValueError("differentiable: MARSM does not support differentiable=True")
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:

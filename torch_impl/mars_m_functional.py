@@ -52,10 +52,10 @@ def mars_m_direction(m, ns_steps, ns_dtype):
     return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)
 
 
-def mars_m_step_(p, o, h, scale):
+def mars_m_step_(p, o, h, scale, ops=SINGLE):
     r"""(M17)  p <- p (1 - lr lambda) - lr scale O."""
-    SINGLE.decay_(p, h.lr, h.wd)
-    p.add_(o, alpha=-h.lr * scale)
+    ops.decay_(p, h.lr, h.wd)
+    ops.add_scaled_(p, o, -h.lr * scale)
 
 
 def efficient_buffer_(buf, g, gamma, beta, ops=SINGLE):
@@ -64,9 +64,9 @@ def efficient_buffer_(buf, g, gamma, beta, ops=SINGLE):
     return ops.add_scaled_(buf, g, (1.0 - gamma) * (1.0 - beta) / beta)
 
 
-def efficient_argument(buf, g, gamma, beta):
+def efficient_argument(buf, g, gamma, beta, ops=SINGLE):
     r"""(M18)  gamma g + beta buf (a new tensor): the unclipped MARS-M momentum (MT12)."""
-    return torch.add(buf * beta, g, alpha=gamma)
+    return ops.add_scaled_(buf * beta, g, gamma)
 
 
 def backup_adamw_step_(p, g, m, v, h, ops=SINGLE):
@@ -89,12 +89,13 @@ def backup_adamw_step_(p, g, m, v, h, ops=SINGLE):
 def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, state_steps,
            kinds, *, lr, weight_decay, momentum, gamma, ns_steps=5, ns_dtype=torch.bfloat16,
            clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
-           maximize=False, foreach=None, write_last_grad=True):
+           maximize=False, foreach=None, compiled=False, write_last_grad=True):
     r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
 
     ``kinds[i]``: "mars_m", "mars_m_efficient" or "adamw".  Buffers that a kind does not keep
     are ``None``.  ``shape_scales[i]`` overrides 0.2 sqrt(max(A, B)) (``None``: p's shape).
-    ``state_steps`` (CPU tensors) are incremented here.
+    ``state_steps`` (CPU tensors) are incremented here.  ``compiled``: one
+    ``torch.compile``d call per tensor (``mars_m_compiled``), the same equations.
     """
     if not params:
         return
@@ -109,6 +110,10 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
         foreach = bool(params) and all(p.is_cuda for p in params)
     columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
                        state_steps, kinds, shape_scales))
+    if compiled:
+        from . import mars_m_compiled  # it imports this module
+        mars_m_compiled.update(columns, hp, clip_c, ns_steps, ns_dtype, write_last_grad)
+        return
     for kind in (MATRIX, EFFICIENT, BACKUP):
         rows = [r for r in columns if r[7] == kind]
         if not rows:
