@@ -165,6 +165,47 @@ def test_authors_api_is_a_no_op_in_approx_mode_and_tolerates_missing_previous_gr
         p.grad = g
     opt.update_previous_grad()
     assert not opt.state
-    exact = MARS(params, is_approx=False)
+    exact = MARS(params, is_approx=False, gamma=0.1)
     exact.update_last_grad()  # no previous_grad anywhere: nothing to do (the authors: KeyError)
     assert not exact.state
+    assert exact.gamma == 0.1  # train_mars.py reads optimizer.gamma
+
+
+# ------------------------------------------------------------------ the functional forms
+
+def test_functional_mars_and_mars_m_equal_the_optimizers():
+    """``torch_impl.functional.mars`` / ``.mars_m`` on hand-built lists, like torch.optim's
+    functional API, give the optimizers' iterates bit for bit (step() only gathers lists)."""
+    from torch_impl import MARSM, functional
+    from torch_impl import mars_functional as F
+    from torch_impl import mars_m_functional as M
+    a = make_params(SHAPES, 4)
+    b = clone_params(a)
+    opt = MARS(a, lr=0.01, weight_decay=0.1)
+    zeros = lambda: [torch.zeros_like(p) for p in b]  # noqa: E731
+    m, v, last, steps = zeros(), zeros(), zeros(), [torch.tensor(0.0) for _ in b]
+    kinds = [F.route(p.shape, "mars-adamw", False) for p in b]
+    hp = {k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                              "gamma", "lr_1d_factor", "betas_1d",
+                                              "weight_decay_1d")}
+    for t in range(3):
+        g = _grads(t)
+        feed(opt, a, g)
+        with torch.no_grad():  # as torch.optim's functional forms, called inside no_grad
+            functional.mars(b, g, m, v, [None] * 3, [x if k != F.FALLBACK else None
+                                                      for x, k in zip(last, kinds)],
+                            steps, kinds, foreach=False, **hp)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    c = make_params(SHAPES, 5)
+    d = clone_params(c)
+    opt_m = MARSM(c, lr=0.01)
+    kinds = [M.MATRIX if p.ndim == 2 else M.BACKUP for p in d]
+    buf, last, m1, m2 = zeros(), zeros(), zeros(), zeros()
+    steps = [torch.tensor(0.0) for _ in d]
+    for t in range(3):
+        g = _grads(t)
+        feed(opt_m, c, g)
+        with torch.no_grad():
+            functional.mars_m(d, g, buf, last, m1, m2, steps, kinds, lr=0.01, weight_decay=0.1,
+                              momentum=0.95, gamma=0.025)
+    assert all(torch.equal(p, q) for p, q in zip(c, d))

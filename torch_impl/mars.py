@@ -269,6 +269,11 @@ class MARS(Optimizer):
         (``exact_mode.evaluate_at_previous_then_current``)."""
         return exact_mode.evaluate_at_previous_then_current(self, closure)
 
+    @property
+    def gamma(self):
+        """The first group's gamma (``train_mars.py`` reads ``optimizer.gamma``)."""
+        return self.param_groups[0]["gamma"]
+
     def update_previous_grad(self):
         """The authors' exact-mode API, step 1 of their loop: keep the gradient now in ``.grad``
         (the *next* batch at the current point) as ``previous_grad``.  No-op in approx mode.
