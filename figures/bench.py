@@ -270,6 +270,9 @@ def main(argv=None):
     parser.add_argument("--only", choices=["mars", "mars_m", "mkor", "memory"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="mars_m only: blocks in the GPT-like list (8: 30.5M parameters)")
+    parser.add_argument("--vocab", type=int, default=8192, help="mars_m only: embedding rows")
     parser.add_argument("--json", help="also write the JSON document here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -299,10 +302,13 @@ def main(argv=None):
         print("one-time compilation (first step): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
     if args.only in (None, "mars_m"):
-        times, ratios, compile_s = bench_mars_m(args.repeats, device)
+        times, ratios, compile_s = bench_mars_m(args.repeats, device, layers=args.layers,
+                                                vocab=args.vocab)
+        report["mars_m_list"] = dict(layers=args.layers, vocab=args.vocab)
         report["mars_m_step_seconds"], report["mars_m_ratios"] = times, ratios
         report["mars_m_compile_seconds"] = compile_s
-        print(_table("MARS-M vs Muon, the GPT-like list's 2-D matrices", times,
+        print(_table(f"MARS-M vs Muon, the 2-D matrices of the GPT-like list ({args.layers} "
+                     f"blocks, vocab {args.vocab})", times,
                      "Muon (torch) eager"))
         for name, r in ratios.items():
             print(f"{name}: {r:.2f}")
