@@ -45,7 +45,7 @@ DEFAULTS = {
     # float32 Newton-Schulz: this CPU's bf16 matmuls are ~9x slower than float32 at these sizes
     # (README, "Figures"); the authors' bf16 is MARSM's default.
     "MARS-M": dict(momentum=0.95, weight_decay=1e-2, gamma=0.025, exclude=("head",),
-                   ns_dtype=torch.float32),
+                   ns_dtype="float32"),  # a name: the figure JSON records these keywords
     "MKOR": dict(variant="paper", inv_freq=10, backbone="sgd"),
     "MKOR-released": dict(variant="released", inv_freq=10, backbone="sgd"),
     "MKOR-H": dict(variant="paper", inv_freq=10, hybrid_switch="loss_rate", backbone="sgd"),
@@ -129,6 +129,7 @@ def build(spec, model, lr):
         ids = {id(p) for p in muon}
         rest = [p for p in params if id(p) not in ids]
         if base == "MARS-M":
+            kw["ns_dtype"] = getattr(torch, kw["ns_dtype"])
             groups = [dict(params=muon, rule="mars_m")] + \
                 ([dict(params=rest, rule="adamw")] if rest else [])
             return Stepper([MARSM(groups, lr=lr, **kw)])
