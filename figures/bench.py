@@ -1,11 +1,14 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mkor|hf|memory] [--repeats 9] [--device cpu] [--json PATH]
+    python -m figures.bench [--only mars|mars_m|mkor|hf|memory] [--repeats 9] [--device cpu] [--json PATH]
 
 * ``mars``: one optimizer step (no forward/backward) on a GPT-like parameter list (~30M
   parameters in ~100 tensors: embeddings, attention and MLP matrices, biases, norms) for
   torch AdamW (loop, foreach, fused), MARS-AdamW (single-tensor, foreach, compiled), a Lion
   baseline vs MARS-Lion, and torch Muon vs MARS-Shampoo on the matrices.
+* ``mars_m``: MARS-M (``MARSM``) against ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``
+  on the same list's matrices, eager against eager and compiled against compiled (torch's
+  recipe, ``torch.compile`` around ``Muon.step``, against ``MARSM(compiled=True)``).
 * ``mkor``: a training step (forward + backward + step) of an MLP of 4 x Linear(1024) at batch
   1024 with SGD(momentum) alone, under MKOR (inv_freq=10) and under K-FAC.
 * ``hf``: training steps of a GPT-2-like and a ResNet-like transformers model at two batch
@@ -24,7 +27,7 @@ import time
 
 import torch
 
-from torch_impl import KFAC, MARS, MKOR
+from torch_impl import KFAC, MARS, MARSM, MKOR
 from torch_impl.step_memory import StepMemory
 
 
@@ -138,6 +141,49 @@ def bench_mars(repeats, device):
     return times, {k: v for k, v in compile_seconds.items() if "compiled" in k}
 
 
+def _compiled_muon(params, **kw):
+    """torch.compile around ``torch.optim.Muon.step`` (its lr is a float: a schedule would
+    recompile, which a fixed-lr benchmark never triggers)."""
+    opt = torch.optim.Muon(params, **kw)
+    eager_step = opt.step
+
+    @torch.compile(fullgraph=False)
+    def step():
+        eager_step()
+    opt.step = step
+    return opt
+
+
+def bench_mars_m(repeats, device, **shape):
+    """MARS-M against torch's Muon on the GPT-like list's matrices (both bf16 Newton-Schulz,
+    lr 0.02 with the match_rms_adamw scale, wd 0.1, momentum 0.95)."""
+    wd = 0.1
+    matrices = lambda ps: [p for p in ps if p.ndim == 2]  # noqa: E731
+    muon = dict(lr=0.02, weight_decay=wd, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    steps = {
+        "Muon (torch) eager": lambda ps: torch.optim.Muon(matrices(ps), nesterov=False, **muon),
+        "MARS-M loop": lambda ps: MARSM(matrices(ps), lr=0.02, weight_decay=wd, foreach=False),
+        "MARS-M foreach": lambda ps: MARSM(matrices(ps), lr=0.02, weight_decay=wd, foreach=True),
+        "Muon (torch) compiled": lambda ps: _compiled_muon(matrices(ps), nesterov=False, **muon),
+        "MARS-M compiled": lambda ps: MARSM(matrices(ps), lr=0.02, weight_decay=wd, compiled=True),
+    }
+    contenders = {}
+    compile_seconds = {}
+    for name, make in steps.items():
+        params = gpt_like_params(device, **shape)
+        fn = make(params).step
+        start = time.perf_counter()
+        fn()  # state creation (and compilation)
+        compile_seconds[name] = time.perf_counter() - start
+        contenders[name] = fn
+    times = interleaved(contenders, repeats, device, warmup=1)
+    ratios = {"eager: best MARS-M eager / Muon eager":
+              min(times["MARS-M loop"], times["MARS-M foreach"]) / times["Muon (torch) eager"],
+              "compiled: MARS-M compiled / Muon compiled":
+              times["MARS-M compiled"] / times["Muon (torch) compiled"]}
+    return times, ratios, {k: v for k, v in compile_seconds.items() if "compiled" in k}
+
+
 def mlp(width=1024, depth=4):
     layers = []
     for i in range(depth):
@@ -223,9 +269,12 @@ def _table(title, times, reference):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["mars", "mkor", "hf", "memory"])
+    parser.add_argument("--only", choices=["mars", "mars_m", "mkor", "hf", "memory"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="mars_m only: blocks in the GPT-like list (8: 30.5M parameters)")
+    parser.add_argument("--vocab", type=int, default=8192, help="mars_m only: embedding rows")
     parser.add_argument("--json", help="also write the JSON document here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -254,6 +303,17 @@ def main(argv=None):
             print(f"{name}: {r:.2f}")
         print("one-time compilation (first step): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
+    if args.only in (None, "mars_m"):
+        times, ratios, compile_s = bench_mars_m(args.repeats, device, layers=args.layers,
+                                                vocab=args.vocab)
+        report["mars_m_list"] = dict(layers=args.layers, vocab=args.vocab)
+        report["mars_m_step_seconds"], report["mars_m_ratios"] = times, ratios
+        report["mars_m_compile_seconds"] = compile_s
+        print(_table(f"MARS-M vs Muon, the 2-D matrices of the GPT-like list ({args.layers} "
+                     f"blocks, vocab {args.vocab})", times,
+                     "Muon (torch) eager"))
+        for name, r in ratios.items():
+            print(f"{name}: {r:.2f}")
     if args.only in (None, "mkor"):
         times = bench_mkor(args.repeats, device)
         report["mkor_train_step_seconds"] = times

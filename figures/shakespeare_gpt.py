@@ -2,7 +2,8 @@
 markup stripped, validation = whole held-out plays) -- validation loss vs step and vs tokens.
 
 AdamW, MARS-AdamW, MARS-Lion, MARS-Shampoo, Muon (torch.optim.Muon on the blocks' 2-D Linear
-weights, AdamW on embeddings, LayerNorms, biases and the output head) and MKOR (preconditions
+weights, AdamW on embeddings, LayerNorms, biases and the output head), MARS-M (``MARSM`` on the
+same matrices, its AdamW backup on the rest) and MKOR (preconditions
 every nn.Linear; embeddings and LayerNorms go to its AdamW backbone), each lr-tuned.
 
 The ablation separates MARS's two ingredients: MARS-AdamW with gamma in {0, 0.025} x betas in
@@ -43,6 +44,7 @@ MAIN = [
     C.Spec("MARS-Lion", "MARS-Lion"),
     C.Spec("MARS-Shampoo", "MARS-Shampoo"),
     C.Spec("Muon", "Muon"),
+    C.Spec("MARS-M", "MARS-M"),
     C.Spec("MKOR (AdamW backbone)", "MKOR", _ADAMW_BACKBONE),
 ]
 ABLATION = [_mars(0.0, _OFFICIAL), _mars(0.025, _ADAMW_BETAS), _mars(0.0, _ADAMW_BETAS)]

@@ -77,11 +77,21 @@ def decoupled_step(p, u, lr, weight_decay):
     return p - lr * (u + weight_decay * p)
 
 
+def adamw_step(p, m, v, k, lr, beta1, beta2, eps, weight_decay):
+    r"""(M7)+(M8): the AdamW-rule step, ``decoupled_step`` of ``adamw_direction``."""
+    return decoupled_step(p, adamw_direction(m, v, k, beta1, beta2, eps), lr, weight_decay)
+
+
 # ---------------------------------------------------------------- MARS-Lion (2.3)
 
 def lion_direction(m):
     r"""(M10)  u = sign(m_t): every coordinate moves by exactly lr (0 where m_i = 0)."""
     return np.sign(m)
+
+
+def lion_step(p, m, lr, weight_decay):
+    r"""(M10): p <- p - lr (sign(m) + lambda p)."""
+    return decoupled_step(p, lion_direction(m), lr, weight_decay)
 
 
 # ---------------------------------------------------------------- MARS-Shampoo (2.4)
@@ -104,11 +114,32 @@ def shampoo_direction(m, beta1, eps, orthogonalizer="newton_schulz", ns_steps=5)
     return shape_scale(m.shape) * direction
 
 
+def shampoo_step(p, m, lr, beta1, eps, weight_decay, orthogonalizer="newton_schulz", ns_steps=5,
+                 scale=None):
+    r"""(M12): p <- p - lr (s O(m / (1 - beta1)) + lambda p); ``scale`` replaces s (a matrix
+    stored transposed gives the s of its true shape)."""
+    u = shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps)
+    if scale is not None:
+        u = u * (scale / shape_scale(m.shape))
+    return decoupled_step(p, u, lr, weight_decay)
+
+
 # ---------------------------------------------------------------- routing (2.5)
 
 def takes_mars_path(shape, optimize_1d):
     """A tensor takes the mars_type update if it is 2-D or ``optimize_1d``; else (M14)."""
     return len(shape) == 2 or optimize_1d
+
+
+def route(shape, mars_type, optimize_1d):
+    """The rule a tensor takes: "fallback" (M14), or "lion", "shampoo" (2-D) or "adamw"."""
+    if not takes_mars_path(shape, optimize_1d):
+        return "fallback"
+    if mars_type == "mars-lion":
+        return "lion"
+    if mars_type == "mars-shampoo" and len(shape) == 2:
+        return "shampoo"
+    return "adamw"
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -193,16 +224,17 @@ class MARSReference:
     def _mars_update(self, i, p, c):
         cfg, b1, b2 = self.config, *self.config.betas
         m = self.exp_avg[i] = momentum(self.exp_avg[i], c, b1)
-        if cfg.mars_type == "mars-lion":
-            u = lion_direction(m)
-        elif cfg.mars_type == "mars-shampoo" and p.ndim == 2:
-            u = shampoo_direction(m, b1, cfg.eps, cfg.orthogonalizer, cfg.ns_steps)
-        else:  # mars-adamw, and the non-2-D tensors of mars-shampoo with optimize_1d
-            v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], c, b2)
-            if cfg.amsgrad:
-                v = self.max_exp_avg_sq[i] = amsgrad_max(self.max_exp_avg_sq[i], v)
-            u = adamw_direction(m, v, self.k, b1, b2, cfg.eps)
-        return decoupled_step(p, u, self.lr, cfg.weight_decay)
+        kind = route(p.shape, cfg.mars_type, cfg.optimize_1d)
+        if kind == "lion":
+            return lion_step(p, m, self.lr, cfg.weight_decay)
+        if kind == "shampoo":
+            return shampoo_step(p, m, self.lr, b1, cfg.eps, cfg.weight_decay, cfg.orthogonalizer,
+                                cfg.ns_steps)
+        # mars-adamw, and the non-2-D tensors of mars-shampoo with optimize_1d
+        v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], c, b2)
+        if cfg.amsgrad:
+            v = self.max_exp_avg_sq[i] = amsgrad_max(self.max_exp_avg_sq[i], v)
+        return adamw_step(p, m, v, self.k, self.lr, b1, b2, cfg.eps, cfg.weight_decay)
 
     def _fallback(self, i, p, g):
         r"""(M14)  AdamW on the raw g with betas_1d, lr r*lr and weight_decay_1d."""
@@ -210,8 +242,7 @@ class MARSReference:
         wd = cfg.weight_decay_1d if cfg.weight_decay_1d_source == "constructor" else cfg.weight_decay
         m = self.exp_avg[i] = momentum(self.exp_avg[i], g, b1)
         v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], g, b2)
-        u = adamw_direction(m, v, self.k, b1, b2, cfg.eps)
-        return decoupled_step(p, u, self.lr * self.lr_1d_factor, wd)
+        return adamw_step(p, m, v, self.k, self.lr * self.lr_1d_factor, b1, b2, cfg.eps, wd)
 
 
 def mars_trajectory(x0, grad, batches, config=None):

@@ -2,6 +2,7 @@
 never asserted here: benchmarks are scripts, and these machines are too noisy for timed tests."""
 import json
 
+import pytest
 import torch
 
 from figures import bench, bench_factor_update
@@ -35,3 +36,14 @@ def test_transformers_benchmark_runs_on_tiny_models():
     for by_batch in results.values():
         assert set(by_batch[2]) == {"backbone", "MKOR", "KFAC"}
     assert "| GPT-2-like | 2 |" in bench_hf.table(results)
+
+
+@pytest.mark.slow
+def test_mars_m_benchmark_runs_on_a_tiny_list():
+    """The whole MARS-M table at a tiny size (slow: it compiles Muon's and MARS-M's steps)."""
+    times, ratios, compile_s = bench.bench_mars_m(1, torch.device("cpu"), vocab=16, d=8,
+                                                  layers=1, ctx=8)
+    assert set(ratios) == {"eager: best MARS-M eager / Muon eager",
+                           "compiled: MARS-M compiled / Muon compiled"}
+    assert all(t > 0 for t in times.values()) and set(compile_s) == {
+        "Muon (torch) compiled", "MARS-M compiled"}

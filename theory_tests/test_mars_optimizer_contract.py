@@ -77,6 +77,10 @@ def _parity_run(foreach, device, **kw):
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 def test_mt20_foreach_matches_single_tensor(mars_type, amsgrad, optimize_1d, clip_scope, device):
     kw = dict(mars_type=mars_type, amsgrad=amsgrad, optimize_1d=optimize_1d, clip_scope=clip_scope)
+    if amsgrad and not _amsgrad_applies(mars_type, optimize_1d):
+        with pytest.raises(ValueError, match="amsgrad"):
+            _parity_run(False, device, **kw)
+        return
     single, foreach = _parity_run(False, device, **kw), _parity_run(True, device, **kw)
     if device.type == "cpu":
         assert_same_optimizer(*single, *foreach)
@@ -103,7 +107,8 @@ def test_zero_size_parameters_step_on_every_route(mars_type, orthogonalizer, sha
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 def test_mt19_state_dict_round_trip_continues_bit_identically(mars_type, is_approx, via_bytes):
     kw = dict(lr=1e-2, gamma=0.3, weight_decay=0.05, mars_type=mars_type, is_approx=is_approx,
-              amsgrad=True, ns_dtype=F64)  # (bf16 NS is a pure function of m, and slow on CPU)
+              amsgrad=mars_type != "mars-lion", optimize_1d=mars_type == "mars-shampoo",
+              ns_dtype=F64)  # (bf16 NS is a pure function of m, and slow on CPU)
     xis = batches(20)
     params = [torch.nn.Parameter(torch.tensor(x)) for x in initial_params()]
     opt = MARS(params, **kw)
@@ -129,6 +134,12 @@ def test_mt19_state_dict_round_trip_continues_bit_identically(mars_type, is_appr
         assert all(theirs[k] == ours[k] for k in ours if k != "params")
 
 
+def _amsgrad_applies(mars_type, optimize_1d):
+    """amsgrad acts on the AdamW rule only: mars-adamw, or mars-shampoo's non-2-D tensors
+    with optimize_1d (otherwise the constructor raises)."""
+    return mars_type == "mars-adamw" or (mars_type == "mars-shampoo" and optimize_1d)
+
+
 def _state_keys(mars_type, is_approx, amsgrad, optimize_1d):
     params = make_params([(3, 4), (4,), (2, 1, 2, 2)])
     opt = MARS(params, mars_type=mars_type, is_approx=is_approx, amsgrad=amsgrad,
@@ -150,6 +161,10 @@ def test_mt19_state_keys(mars_type, is_approx, amsgrad, optimize_1d):
     """AdamW rule: {step, exp_avg, exp_avg_sq, last_grad} (+ max_exp_avg_sq with amsgrad);
     Lion and Shampoo matrices: no exp_avg_sq (documented deviation from B6); the fallback:
     {step, exp_avg, exp_avg_sq}; exact mode adds prev_param everywhere."""
+    if amsgrad and not _amsgrad_applies(mars_type, optimize_1d):
+        with pytest.raises(ValueError, match="amsgrad"):
+            _state_keys(mars_type, is_approx, amsgrad, optimize_1d)
+        return
     adam = {"step", "exp_avg", "exp_avg_sq", "last_grad"}
     adam |= {"max_exp_avg_sq"} if amsgrad else set()
     lion = {"step", "exp_avg", "last_grad"}

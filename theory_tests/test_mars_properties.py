@@ -15,6 +15,7 @@ from mars_property_helpers import assert_ulp_close, recovered_c, F64, MARS_TYPES
 from reference.mars import correction_coefficient
 from torch_impl import MARS
 from torch_impl import mars_functional as F
+from torch_impl.tensor_ops import FOREACH, SINGLE
 
 seeds = st.integers(0, 2**32 - 1)
 shape2d = st.tuples(st.integers(1, 4), st.integers(1, 4))
@@ -112,15 +113,22 @@ def test_mt3_functional_clip_bound_and_identity_below_one(foreach, shapes, log_s
     grads = [g * 10.0**s for g, s in zip(random_grads(rng, shapes), log_scales)]
     prev = random_grads(rng, shapes)
     bufs = [p.clone() for p in prev]
-    correct = F.multi_tensor_correct if foreach else F.single_tensor_correct
-    divide = F.multi_tensor_divide if foreach else F.single_tensor_divide
-    norms = correct(grads, bufs, a)
+    ops = FOREACH if foreach else SINGLE
+    if foreach:
+        F.corrected_gradient_(bufs, grads, a, ops)
+        norms = ops.norm(bufs)
+    else:
+        norms = [ops.norm(F.corrected_gradient_(b, g, a, ops)) for b, g in zip(bufs, grads)]
     cs = [b.clone() for b in bufs]
     for c, g, gp in zip(cs, grads, prev):  # MT5 in place: c = (1 + a) g - a g_prev
         # two roundings of terms of size (1 + a)|g| and a|g_prev|
         scale = (1 + a) * (g.abs().max() + gp.abs().max())
         torch.testing.assert_close(c, (1 + a) * g - a * gp, rtol=0, atol=1e-15 * scale)
-    divide(bufs, norms)
+    if foreach:
+        F.clip_tensor_(bufs, norms, ops)
+    else:
+        for b, n in zip(bufs, norms):
+            F.clip_tensor_(b, n, ops)
     for c, clipped, n in zip(cs, bufs, norms):
         if n <= 1:
             assert torch.equal(clipped, c)  # dividing by max(1, n) = 1 is exact

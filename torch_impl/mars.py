@@ -4,13 +4,16 @@ from types import SimpleNamespace
 import torch
 from torch.optim import Optimizer
 
-from . import mars_compiled as C
+from . import exact_mode, functional
 from . import mars_functional as F
+from .validation import check_betas as _check_betas, check_choice as _check_choice, \
+    check_number as _check_number
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
 ORTHOGONALIZERS = ("newton_schulz", "svd")
 WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
+SHAPE_LAYOUTS = ("out_in", "in_out")
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -44,16 +47,20 @@ class MARS(Optimizer):
 
     Args (names and defaults of the official class):
         params: iterable of parameters or parameter-group dicts.
-        lr (float): :math:`\eta`. Default ``3e-3``.
+        lr (float or Tensor): :math:`\eta` (a one-element CPU tensor, as torch.optim.AdamW
+            takes). Default ``3e-3``.
         betas (tuple): :math:`(\beta_1, \beta_2)`. Default ``(0.95, 0.99)``.
         eps (float): :math:`\epsilon`; also Newton-Schulz's eps. Default ``1e-8``.
         weight_decay (float): :math:`\lambda`, decoupled. Default ``0``.
-        amsgrad (bool): use :math:`\bar v_t` (M9). Default ``False``.
+        amsgrad (bool): use :math:`\bar v_t` (M9) in the AdamW rule; a ValueError with
+            mars-lion, or mars-shampoo without ``optimize_1d``, where it could act on nothing.
+            Default ``False``.
         gamma (float): :math:`\gamma \in [0, 1]` (0: plain EMA, i.e. AdamW/Lion; 1: STORM).
             Default ``0.025``.
         is_approx (bool): ``True`` for (M2); ``False`` for the exact correction (M1), which needs
             ``step(closure)`` and costs a second forward+backward per step plus one
-            parameter-sized buffer (x_{t-1}). Default ``True``.
+            parameter-sized buffer (x_{t-1}); the authors' loop (``update_previous_grad()``
+            on the next batch, ``step()``, ``update_last_grad()``) also works. Default ``True``.
         mars_type (str): ``"mars-adamw"``, ``"mars-lion"`` or ``"mars-shampoo"``.
         optimize_1d (bool): send non-2-D tensors through MARS too. Default ``False``.
         lr_1d (float), betas_1d (tuple), weight_decay_1d (float): the fallback's
@@ -78,13 +85,17 @@ class MARS(Optimizer):
             picks them when every parameter is on CUDA.
         compiled (bool or str): ``True`` / ``"tensor"``: run each tensor's elementwise step as
             one ``torch.compile``d kernel (``mars_compiled.py``; one reduction pass for the clip
-            norm, one fused pass for the rest); the first step compiles in seconds.
-            ``"group"``: the same kernels, but one compiled call per group and route, which
-            removes the per-tensor call overhead (~30 us each) at the price of a longer first
-            compilation (about a minute for ~100 tensors) and a recompilation whenever the set
-            of parameters with gradients changes.  Schedules and step counts enter as tensors
-            and lengths are dynamic, so later steps do not recompile.  MARS-Shampoo matrices
-            keep the eager path.
+            norm, one fused pass for the rest), built from the same equation functions as the
+            eager paths.  ``"group"``: the same kernels, one compiled call per group and route,
+            which removes the per-tensor call overhead at the price of a longer first
+            compilation and a recompilation whenever the set of parameters with gradients
+            changes.  Schedules and step counts enter as tensors and lengths are dynamic, so
+            later steps do not recompile.  MARS-Shampoo matrices keep the eager path.
+            Measured costs: README, "Performance".
+        shape_layout: ``"out_in"`` (default) or ``"in_out"``: how a 2-D parameter stores its
+            matrix.  MARS-Shampoo's s = sqrt(max(1, A/B)) is taken from the true (out, in)
+            shape, so give a group of transformers ``Conv1D`` weights (stored in x out)
+            ``shape_layout="in_out"``.
 
     State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
@@ -103,27 +114,30 @@ class MARS(Optimizer):
                  optimize_1d=False, lr_1d=3e-3, betas_1d=(0.9, 0.95), weight_decay_1d=0.1, *,
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
-                 state_dtype=None, maximize=False, foreach=None, compiled=False):
-        _check_number("lr", lr, low=0.0)
+                 state_dtype=None, maximize=False, foreach=None, compiled=False,
+                 shape_layout="out_in"):
+        lr_value = _lr_value(lr)
         _check_number("lr_1d", lr_1d, low=0.0)
-        if lr == 0.0 and lr_1d != 0.0:
+        if lr_value == 0.0 and lr_1d != 0.0:
             raise ValueError("lr_1d: the 1-D learning rate is kept as the ratio lr_1d / lr, "
                              "which is undefined for lr = 0; pass the peak lr and let a "
                              "scheduler scale it")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         gamma=gamma, is_approx=is_approx, mars_type=mars_type,
-                        optimize_1d=optimize_1d, lr_1d_factor=lr_1d / lr if lr > 0 else 0.0,
+                        optimize_1d=optimize_1d,
+                        lr_1d_factor=lr_1d / lr_value if lr_value > 0 else 0.0,
                         betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, maximize=maximize, foreach=foreach,
-                        compiled=compiled)
+                        compiled=compiled, shape_layout=shape_layout, differentiable=False)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
         if "lr_1d" in param_group:  # a group's own 1-D lr, kept as a ratio to the group's lr
             param_group = dict(param_group)
-            lr_1d, lr = param_group.pop("lr_1d"), param_group.get("lr", self.defaults["lr"])
+            lr_1d = param_group.pop("lr_1d")
+            lr = _lr_value(param_group.get("lr", self.defaults["lr"]))
             _check_number("lr_1d", lr_1d, low=0.0)
             if lr == 0.0 and lr_1d != 0.0:
                 raise ValueError("lr_1d: a group with lr = 0 cannot define lr_1d / lr")
@@ -145,6 +159,9 @@ class MARS(Optimizer):
         for group in self.param_groups:  # back-fill options added after a checkpoint was made
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        for st in self.state.values():  # a numeric step (older torch, other MARS ports)
+            if "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]))
 
     def load_state_dict(self, state_dict):
         """``Optimizer.load_state_dict``, keeping a ``state_dtype`` that differs from the
@@ -170,55 +187,35 @@ class MARS(Optimizer):
         the random-number state in between so that dropout-like randomness is the same sample.
         """
         exact = not self.param_groups[0]["is_approx"]
-        if exact:
+        if exact and closure is None and exact_mode.uses_authors_api(self):
+            loss = None  # last_grad comes from update_last_grad() (the authors' loop)
+        elif exact:
             if closure is None:
                 raise RuntimeError(
                     "MARS exact mode (is_approx=False) needs the gradient at the previous "
                     "iterate on the current batch: call opt.step(closure) with a closure that "
                     "computes the loss on the current batch, calls loss.backward() and returns "
-                    "the loss; or construct MARS(..., is_approx=True)")
+                    "the loss (or use the authors' update_previous_grad()/update_last_grad() "
+                    "loop); or construct MARS(..., is_approx=True)")
             loss = self._evaluate_at_previous_iterate_then_current(closure)
         else:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-
         self._check_gradients()
-        work, fused = [], []
-        for group in self.param_groups:
-            w = self._init_group(group)
-            if group["compiled"]:  # Shampoo matrices stay eager (matmul-bound)
-                w, f = _partition(w, lambda kind: kind == F.SHAMPOO)
-                fused.append((group, f))
-            work.append(w)
-        for group, w in zip(self.param_groups, work):  # phase 1: c_t into last_grad (M1/M2)
-            a = F.correction_coefficient(group["gamma"], group["betas"][0])
-            correct = F.multi_tensor_correct if w.foreach else F.single_tensor_correct
-            w.cs = [st["last_grad"] for st, kind in zip(w.states, w.kinds) if kind != F.FALLBACK]
-            w.norms = correct([g for g, kind in zip(w.grads, w.kinds) if kind != F.FALLBACK],
-                              w.cs, a)
-        total = _global_norm([n for group, w in zip(self.param_groups, work)
-                              if group["clip_scope"] == "global" for n in w.norms]
-                             + [n for group, f in fused if group["clip_scope"] == "global"
-                                for n in C.global_norms(group, f)])
-
+        work = [self._init_group(group) for group in self.param_groups]
+        total = F.global_norm([n for group, w in zip(self.param_groups, work)
+                               if group["clip_scope"] == "global"
+                               for n in functional.corrected_norms(
+                                   w.grads, w.last_grads, w.kinds, group["gamma"],
+                                   group["betas"][0], maximize=group["maximize"])])
         for group, w in zip(self.param_groups, work):
-            if group["clip_scope"] != "none" and w.cs:  # phase 2: the clip (M3)
-                divisors = w.norms if group["clip_scope"] == "tensor" else [total] * len(w.cs)
-                (F.multi_tensor_divide if w.foreach else F.single_tensor_divide)(w.cs, divisors)
-            corrected = iter(w.cs)
-            c_all = [None if kind == F.FALLBACK else next(corrected) for kind in w.kinds]
-            update = F.multi_tensor_update if w.foreach else F.single_tensor_update
-            update([w.params, w.grads, c_all, w.states, w.kinds], _hyperparameters(group))
-            if not exact:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
-                for g, st, kind in zip(w.grads, w.states, w.kinds):
-                    if kind != F.FALLBACK:
-                        st["last_grad"].copy_(g)
-        for group, f in fused:  # phases 1-3 fused per tensor (compiled=True)
-            C.update(group, f, total, exact)
-        for w in work + [f for _, f in fused]:  # updates done in a wider state_dtype?
-            for p, work_p in zip(w.originals, w.params):
+            functional.mars(w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.max_exp_avg_sqs,
+                            w.last_grads, w.steps, w.kinds, write_last_grad=not exact,
+                            global_clip_norm=total, shampoo_scales=w.scales,
+                            **_functional_keywords(group))
+            for p, work_p in zip(w.originals, w.params):  # updated in a wider state_dtype?
                 if work_p is not p:
                     p.copy_(work_p)
         return loss
@@ -239,12 +236,12 @@ class MARS(Optimizer):
         With ``state_dtype`` wider than a parameter's dtype, ``params`` holds working copies in
         that dtype (written back after the update) and ``grads`` the upcast gradients.
         """
-        w = SimpleNamespace(params=[], originals=[], grads=[], states=[], kinds=[],
-                            foreach=_use_foreach(group))
+        w = SimpleNamespace(params=[], originals=[], grads=[], exp_avgs=[], exp_avg_sqs=[],
+                            max_exp_avg_sqs=[], last_grads=[], steps=[], kinds=[], scales=[])
         for p in group["params"]:
             if p.grad is None:
                 continue
-            kind = F.route(p, group["mars_type"], group["optimize_1d"])
+            kind = F.route(p.shape, group["mars_type"], group["optimize_1d"])
             st, dtype = self.state[p], group["state_dtype"] or p.dtype
             buffers = ["exp_avg"]
             buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []
@@ -255,122 +252,68 @@ class MARS(Optimizer):
                     st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
-            g = p.grad if dtype == p.dtype else p.grad.to(dtype)
             w.params.append(p if dtype == p.dtype else p.detach().to(dtype))
             w.originals.append(p)
-            w.grads.append(-g if group["maximize"] else g)
-            w.states.append(st)
+            w.grads.append(p.grad if dtype == p.dtype else p.grad.to(dtype))
+            for name, column in (("exp_avg", w.exp_avgs), ("exp_avg_sq", w.exp_avg_sqs),
+                                 ("max_exp_avg_sq", w.max_exp_avg_sqs),
+                                 ("last_grad", w.last_grads)):
+                column.append(st.get(name) if name in buffers else None)
+            w.steps.append(st["step"])
             w.kinds.append(kind)
-        if w.states:  # one CPU kernel for every step counter of the group
-            torch._foreach_add_([st["step"] for st in w.states], 1.0)
+            w.scales.append(_true_shape_scale(p, group))
         return w
 
     def _evaluate_at_previous_iterate_then_current(self, closure):
-        """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t.
+        """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t
+        (``exact_mode.evaluate_at_previous_then_current``)."""
+        return exact_mode.evaluate_at_previous_then_current(self, closure)
 
-        x_{t-1} is kept in ``prev_param``; the swap copies x_t aside and reuses that copy as the
-        next ``prev_param``, so exact mode holds one extra parameter-sized buffer.
-        """
-        params = [p for group in self.param_groups for p in group["params"]]
-        returning = [p for p in params if p in self.state and "prev_param" in self.state[p]]
-        returning_set = set(returning)
-        rng = _rng_state(params)
-        if returning:
-            current = [p.detach().clone() for p in returning]
-            for p in returning:
-                p.copy_(self.state[p]["prev_param"])
-            self.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                closure()
-            for group in self.param_groups:
-                for p in group["params"]:
-                    buf = self.state[p].get("last_grad") if p in returning_set else None
-                    if buf is None:
-                        continue
-                    if p.grad is None:  # p did not enter the loss at x_{t-1}
-                        buf.zero_()
-                    else:
-                        buf.copy_(-p.grad if group["maximize"] else p.grad)
-            for p, x_t in zip(returning, current):
-                p.copy_(x_t)
-                self.state[p]["prev_param"] = x_t
-            _set_rng_state(rng)  # the same sample xi_t (dropout masks included) at x_t
-        self.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            loss = closure()
-        for p in params:
-            if "prev_param" not in self.state[p] and p.grad is not None:
-                self.state[p]["prev_param"] = p.detach().clone()
-        return loss
+    @property
+    def gamma(self):
+        """The first group's gamma (``train_mars.py`` reads ``optimizer.gamma``)."""
+        return self.param_groups[0]["gamma"]
+
+    def update_previous_grad(self):
+        """The authors' exact-mode API, step 1 of their loop: keep the gradient now in ``.grad``
+        (the *next* batch at the current point) as ``previous_grad``.  No-op in approx mode.
+        The closure form of ``step`` is the recommended one (README, "Exact mode")."""
+        exact_mode.update_previous_grad(self, lambda p, group: F.route(
+            p.shape, group["mars_type"], group["optimize_1d"]) != F.FALLBACK)
+
+    def update_last_grad(self):
+        """The authors' exact-mode API, after ``step``: ``last_grad`` <- ``previous_grad``."""
+        exact_mode.update_last_grad(self)
+
+def _functional_keywords(group):
+    """The group's hyperparameters as ``functional.mars`` keywords (read at every step)."""
+    keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "gamma", "lr_1d_factor", "betas_1d",
+            "weight_decay_1d", "weight_decay_1d_source", "clip_scope", "orthogonalizer",
+            "ns_steps", "ns_dtype", "maximize", "foreach", "compiled")
+    return {k: group[k] for k in keys}
 
 
-def _partition(w, stays):
-    """Split a group's lists: the tensors whose route satisfies ``stays`` and the rest."""
-    keys = ("params", "originals", "grads", "states", "kinds")
-    parts = [SimpleNamespace(foreach=w.foreach, **{k: [] for k in keys}) for _ in range(2)]
-    for i, kind in enumerate(w.kinds):
-        part = parts[0] if stays(kind) else parts[1]
-        for k in keys:
-            getattr(part, k).append(getattr(w, k)[i])
-    return parts
+def _true_shape_scale(p, group):
+    """s for a Shampoo matrix stored transposed (``shape_layout="in_out"``: transformers'
+    Conv1D keeps W as in x out), from its true (out, in); ``None``: from p's own shape."""
+    if group.get("shape_layout", "out_in") == "in_out" and p.ndim == 2:
+        return F.shape_scale((p.shape[1], p.shape[0]))
+    return None
 
 
-def _use_foreach(group):
-    """``foreach=None`` picks the multi-tensor kernels when every parameter is on CUDA."""
-    if group["foreach"] is None:
-        return all(p.is_cuda for p in group["params"])
-    return group["foreach"]
-
-
-def _hyperparameters(group):
-    wd_1d = group["weight_decay_1d"] if group["weight_decay_1d_source"] == "constructor" \
-        else group["weight_decay"]
-    return dict(group, wd_1d=wd_1d)
-
-
-def _global_norm(norms):
-    """sqrt(sum ||c_i||^2) over every tensor in a "global"-scope group (one device)."""
-    if not norms:
-        return None
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-
-
-def _rng_state(params):
-    cuda = sorted({p.device.index or 0 for p in params if p.is_cuda})
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
-
-
-def _set_rng_state(state):
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    for d, s in cuda.items():
-        torch.cuda.set_rng_state(s, d)
-
-
-def _check_number(name, value, low=None, high=None, high_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {value!r}")
-    if value != value or (low is not None and value < low) or \
-            (high is not None and (value >= high if high_open else value > high)):
-        interval = f"[{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: expected a value in {interval}, got {value!r}")
-
-
-def _check_betas(name, betas):
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{name}: expected a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        _check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True)
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+def _lr_value(lr):
+    """The lr as a number: a float, or a one-element (CPU) tensor as torch.optim.AdamW takes;
+    it is read on the host at every step, so a CUDA tensor would synchronise and is refused."""
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or lr.is_cuda:
+            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
+        lr = lr.item()
+    _check_number("lr", lr, low=0.0)
+    return lr
 
 
 def _validate_group(g):
-    _check_number("lr", g["lr"], low=0.0)
+    _lr_value(g["lr"])
     _check_number("eps", g["eps"], low=0.0)
     _check_number("weight_decay", g["weight_decay"], low=0.0)
     _check_number("gamma", g["gamma"], low=0.0, high=1.0)
@@ -383,6 +326,7 @@ def _validate_group(g):
     _check_choice("orthogonalizer", g["orthogonalizer"], ORTHOGONALIZERS)
     _check_choice("weight_decay_1d_source", g["weight_decay_1d_source"], WEIGHT_DECAY_1D_SOURCES)
     _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     if g["state_dtype"] is not None:
         _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode
@@ -392,6 +336,13 @@ def _validate_group(g):
     for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize"):
         if not isinstance(g[flag], bool):
             raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
+    if g["amsgrad"] and (g["mars_type"] == "mars-lion" or
+                         (g["mars_type"] == "mars-shampoo" and not g["optimize_1d"])):
+        raise ValueError(f"amsgrad: {g['mars_type']} keeps no second moment on these tensors "
+                         "(only the AdamW rule does: mars-adamw, or mars-shampoo's non-2-D "
+                         "tensors with optimize_1d=True), so amsgrad=True would be ignored")
+    if g["differentiable"]:
+        raise ValueError("differentiable: MARS does not support differentiable=True")
     if g["foreach"] not in (None, True, False):
         raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:

@@ -1,70 +1,55 @@
-"""The ``compiled=True`` path of ``MARS``: the elementwise math of one tensor's step as a
-``torch.compile``d function, so Inductor fuses it into one pass over p, g, g_prev, m, v
-(plus one reduction pass for the per-tensor clip norm) instead of ~12 eager kernels.
+"""The ``compiled=True`` path of ``MARS``: each tensor's elementwise step under ``torch.compile``,
+so that Inductor fuses it into one pass over p, g, g_prev, m, v (plus one reduction pass for the
+per-tensor clip norm) instead of ~12 eager kernels.
 
-Same equations as ``mars_functional`` (M1-M10, M14), written out elementwise.  Everything that
-changes between steps -- lr, the bias corrections, the global clip divisor -- enters as a
-tensor ``hp`` so that neither a schedule nor the step count triggers recompilation, and shapes
-are dynamic so one compilation serves every tensor of a rank.  MARS-Shampoo's matrices keep
-the eager path: Newton-Schulz is matmul-bound and gains nothing from elementwise fusion.
+The kernels are not a copy of the math: they call the equation functions of
+``mars_functional`` with the ``COMPILED`` ops table.  Everything that changes between steps --
+lr, the bias corrections, the global clip divisor -- enters as a tensor ``hp`` (built by the
+one resolver, ``resolve_hyperparameters``), so neither a schedule nor the step count
+recompiles, and shapes are dynamic so one compilation serves every tensor of a rank.
+MARS-Shampoo's matrices keep the eager path: Newton-Schulz is matmul-bound.
 """
 import torch
 
-# layout of the hyperparameter vector ``hp`` (one per group, device and step count)
-LR, WD, A, BETA1, BETA2, EPS, BC1, SQRT_BC2, DIVISOR = range(9)
+from . import mars_functional as F
+from .tensor_ops import COMPILED
+
+_FIELDS = ("lr", "wd", "a", "beta1", "beta2", "eps", "bc1", "sqrt_bc2")
+DIVISOR = len(_FIELDS)  # hp[DIVISOR]: the global clip's clamped norm (1 without it)
 
 
-def _corrected(g, last, hp, tensor_clip):
-    r"""(M1)-(M3): c~ = c / max(||c||, 1) (tensor scope) or c / divisor (global: the clamped
-    global norm; no clip: 1), with c = g + a (g - g_prev).  Under maximize, g arrives
-    negated (``MARS._init_group``)."""
-    c = g + hp[A] * (g - last)
+def _unpack(hp):
+    return F.Hyper(*(hp[i] for i in range(len(_FIELDS))))
+
+
+def _corrected(g, last, h, hp, tensor_clip):
+    c = F.corrected_gradient_(last, g, h.a, COMPILED)
     if tensor_clip:
-        return c / torch.clamp(torch.linalg.vector_norm(c), min=1.0)
-    return c / hp[DIVISOR]
-
-
-def _adam_update(p, c, m, v, vmax, hp):
-    r"""(M4), (M6)-(M9) given the clipped corrected gradient c."""
-    m_new = m + (1 - hp[BETA1]) * (c - m)
-    v_new = hp[BETA2] * v + (1 - hp[BETA2]) * c * c
-    if vmax is not None:
-        v_new_max = torch.maximum(vmax, v_new)
-        vmax.copy_(v_new_max)
-        denom = torch.sqrt(v_new_max) / hp[SQRT_BC2] + hp[EPS]
-    else:
-        denom = torch.sqrt(v_new) / hp[SQRT_BC2] + hp[EPS]
-    p.copy_(p * (1 - hp[LR] * hp[WD]) - (hp[LR] / hp[BC1]) * m_new / denom)
-    m.copy_(m_new)
-    v.copy_(v_new)
+        return F.clip_tensor_(c, COMPILED.norm(c), COMPILED)
+    return c.div_(hp[DIVISOR])
 
 
 def adamw_kernel(p, g, last, m, v, vmax, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M9) for one tensor."""
-    c = _corrected(g, last, hp, tensor_clip)
-    _adam_update(p, c, m, v, vmax, hp)
+    h = _unpack(hp)
+    c = _corrected(g, last, h, hp, tensor_clip)
+    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)
+    if write_last:
+        last.copy_(g)
+
+
+def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
+    r"""(M1)-(M4), (M10) for one tensor."""
+    h = _unpack(hp)
+    c = _corrected(g, last, h, hp, tensor_clip)
+    F.lion_rule_(p, c, m, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
 def fallback_kernel(p, g, m, v, hp):
-    r"""(M14): AdamW on the raw gradient (hp carries lr r, betas_1d, weight_decay_1d)."""
-    _adam_update(p, g, m, v, None, hp)
-
-
-def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
-    r"""(M1)-(M4), (M10) for one tensor."""
-    c = _corrected(g, last, hp, tensor_clip)
-    m_new = m + (1 - hp[BETA1]) * (c - m)
-    p.copy_(p * (1 - hp[LR] * hp[WD]) - hp[LR] * torch.sign(m_new))
-    m.copy_(m_new)
-    if write_last:
-        last.copy_(g)
-
-
-def corrected_norm_kernel(g, last, hp):
-    """||c_t|| without materialising c_t: the first pass of the global clip."""
-    return torch.linalg.vector_norm(g + hp[A] * (g - last))
+    r"""(M14): AdamW on the raw gradient (hp carries lr r, betas_1d, the 1-D weight decay)."""
+    F.adamw_rule_(p, g, m, v, None, _unpack(hp), COMPILED)
 
 
 _compiled = {}
@@ -77,10 +62,9 @@ def compiled(fn):
     return _compiled[fn]
 
 
-def hyperparameters(device, dtype, lr, wd, a, beta1, beta2, eps, k, divisor=None):
-    """The ``hp`` vector for one group, device and step count k."""
-    values = [lr, wd, a, beta1, beta2, eps, 1.0 - beta1**k, (1.0 - beta2**k) ** 0.5, 1.0]
-    hp = torch.tensor(values, dtype=dtype)
+def hp_tensor(h, device, dtype, divisor=None):
+    """``Hyper`` (with bias corrections) as one tensor on ``device``, + the clip divisor."""
+    hp = torch.tensor([float(getattr(h, f)) for f in _FIELDS] + [1.0], dtype=dtype)
     if device.type == "cuda":  # a pageable host-to-device copy would synchronise the stream
         hp = hp.pin_memory().to(device, non_blocking=True)
     else:
@@ -88,23 +72,6 @@ def hyperparameters(device, dtype, lr, wd, a, beta1, beta2, eps, k, divisor=None
     if divisor is not None:  # the global clip's clamped norm, already on the device
         hp[DIVISOR] = divisor.to(dtype)
     return hp
-
-
-def _hp(cache, group, p, k, kind, divisor):
-    """One ``hp`` per (device, dtype, step, route) within a group's step."""
-    key = (p.device, p.dtype, k, kind)
-    if key not in cache:
-        if kind == "fallback":  # (M14): AdamW on the raw g with the 1-D hyperparameters
-            b1, b2 = group["betas_1d"]
-            lr, a, div = group["lr"] * group["lr_1d_factor"], 0.0, None
-            wd = (group["weight_decay_1d"] if group["weight_decay_1d_source"] == "constructor"
-                  else group["weight_decay"])
-        else:
-            (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-            a, div = group["gamma"] * b1 / (1.0 - b1), divisor
-        dtype = torch.promote_types(p.dtype, torch.float32)
-        cache[key] = hyperparameters(p.device, dtype, lr, wd, a, b1, b2, group["eps"], k, div)
-    return cache[key]
 
 
 def _flat(*tensors):
@@ -150,33 +117,23 @@ def _run(calls, grouped):
     return out
 
 
-def global_norms(group, bucket):
-    """Per-tensor ||c_t|| of a compiled group's MARS-path tensors (global clip, first pass)."""
-    cache = {}
-    calls = [(corrected_norm_kernel, _flat(g, st["last_grad"]),
-              _hp(cache, group, p, st["step"].item(), kind, None), ())
-             for p, g, st, kind in zip(bucket.params, bucket.grads, bucket.states, bucket.kinds)
-             if kind != "fallback"]
-    return _run(calls, group["compiled"] == "group")
-
-
-def update(group, bucket, total, exact):
-    """Phase 1-3 of every tensor in ``bucket`` (AdamW, Lion and fallback routes): one compiled
-    kernel call per tensor, or per batch of same-route tensors in ``compiled="group"`` mode.
-    ``total``: the clamped global norm (global scope only)."""
-    scope, cache, calls = group["clip_scope"], {}, []
-    divisor = None
-    if scope == "global":
-        divisor = torch.clamp(total, min=1.0)
-    flags = (scope == "tensor", not exact)  # (tensor_clip, write_last)
-    for p, g, st, kind in zip(bucket.params, bucket.grads, bucket.states, bucket.kinds):
-        hp = _hp(cache, group, p, st["step"].item(), kind, divisor)  # CPU counter: no sync
-        if kind == "fallback":
-            calls.append((fallback_kernel, _flat(p, g, st["exp_avg"], st["exp_avg_sq"]), hp, ()))
-        elif kind == "lion":
-            calls.append((lion_kernel, _flat(p, g, st["last_grad"], st["exp_avg"]), hp, flags))
+def update(buffers, steps, kinds, hp, scope, total, write_last, grouped):
+    """The whole step of every (non-Shampoo) tensor: one compiled kernel call per tensor, or
+    per batch of same-route tensors with ``grouped``.  ``total``: the global norm (or None)."""
+    divisor = torch.clamp(total, min=1.0) if scope == "global" else None
+    flags = (scope == "tensor", write_last)
+    cache, calls = {}, []
+    for (p, g, m, v, vmax, last), k, kind in zip(zip(*buffers), steps, kinds):
+        key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync
+        if key not in cache:
+            h = F.with_bias_corrections(F.resolve_hyperparameters(hp, kind), key[2], COMPILED)
+            dtype = torch.promote_types(p.dtype, torch.float32)
+            cache[key] = hp_tensor(h, p.device, dtype, None if kind == F.FALLBACK else divisor)
+        hpt = cache[key]
+        if kind == F.FALLBACK:
+            calls.append((fallback_kernel, _flat(p, g, m, v), hpt, ()))
+        elif kind == F.LION:
+            calls.append((lion_kernel, _flat(p, g, last, m), hpt, flags))
         else:
-            vmax = st.get("max_exp_avg_sq") if group["amsgrad"] else None
-            calls.append((adamw_kernel, _flat(p, g, st["last_grad"], st["exp_avg"],
-                                              st["exp_avg_sq"], vmax), hp, flags))
-    _run(calls, group["compiled"] == "group")
+            calls.append((adamw_kernel, _flat(p, g, last, m, v, vmax), hpt, flags))
+    _run(calls, grouped)

@@ -1,34 +1,88 @@
 """MARS update math in PyTorch, one function per equation (mirrors ``reference/mars.py``).
 
-Every equation exists twice with the same arithmetic, in the ``torch.optim`` manner: a
-single-tensor form (``name_``) and a multi-tensor form (``foreach_name_``) built from
-``torch._foreach_*`` kernels.  ``single_tensor_*`` / ``multi_tensor_*`` run a whole phase of a
-step over a parameter group; ``torch_impl.mars.MARS`` strings the phases together.
+Each equation is written once against an ``ops`` table (``tensor_ops``) and so serves every
+path: the single-tensor loop (``SINGLE``), the multi-tensor kernels (``FOREACH``) and the
+``torch.compile``d kernels (``COMPILED``, ``mars_compiled``).  The names are the oracle's; a
+trailing ``_`` marks an in-place form.  ``resolve_hyperparameters`` is the one place that
+turns a parameter group (or the functional's keywords) into the numbers a route uses.
 
-Nothing here synchronises with the device: clipping divides by ``clamp(norm, min=1)``
+Nothing here synchronises with the device: the clip divides by ``clamp(norm, min=1)``
 instead of branching on the norm, and bias corrections come from CPU step counters.
 """
 import math
-from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from .matrix_functions import newton_schulz, orthogonalize_svd
+from .tensor_ops import SINGLE
 
 ADAMW, LION, SHAMPOO, FALLBACK = "adamw", "lion", "shampoo", "fallback"
 
 
-def route(param, mars_type, optimize_1d):
-    """Which update a tensor takes (spec 2.5): the mars_type rule if 2-D or ``optimize_1d``,
-    else the AdamW fallback (M14).  MARS-Shampoo's non-2-D tensors take the AdamW rule."""
-    if param.ndim != 2 and not optimize_1d:
+# ------------------------------------------------------------------ routing (2.5)
+
+def takes_mars_path(shape, optimize_1d):
+    """A tensor takes the mars_type update if it is 2-D or ``optimize_1d``; else (M14)."""
+    return len(shape) == 2 or optimize_1d
+
+
+def route(shape, mars_type, optimize_1d):
+    """The update a tensor takes: the mars_type rule, or the AdamW fallback (M14).
+    MARS-Shampoo's non-2-D tensors (with ``optimize_1d``) take the AdamW rule."""
+    if not takes_mars_path(shape, optimize_1d):
         return FALLBACK
     if mars_type == "mars-lion":
         return LION
-    if mars_type == "mars-shampoo" and param.ndim == 2:
+    if mars_type == "mars-shampoo" and len(shape) == 2:
         return SHAMPOO
     return ADAMW
 
+
+# ------------------------------------------------------------------ hyperparameters
+
+@dataclass
+class Hyper:
+    """The numbers one route uses at one step (scalars; per-tensor lists under FOREACH)."""
+    lr: float
+    wd: float
+    a: float
+    beta1: float
+    beta2: float
+    eps: float
+    bc1: object = None
+    sqrt_bc2: object = None
+
+
+def resolve_hyperparameters(hp, kind):
+    """The one resolver: group dict (or functional keywords) -> the route's ``Hyper``.
+
+    MARS routes use (lr, weight_decay, betas, gamma); the fallback (M14) uses lr r,
+    ``betas_1d``, no correction, and ``weight_decay_1d`` or the group's ``weight_decay``
+    (``weight_decay_1d_source``)."""
+    if kind == FALLBACK:
+        b1, b2 = hp["betas_1d"]
+        wd = hp["weight_decay_1d"] if hp["weight_decay_1d_source"] == "constructor" \
+            else hp["weight_decay"]
+        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, hp["eps"])
+    b1, b2 = hp["betas"]
+    return Hyper(_number(hp["lr"]), hp["weight_decay"], correction_coefficient(hp["gamma"], b1),
+                 b1, b2, hp["eps"])
+
+
+def with_bias_corrections(h, ks, ops):
+    """``h`` with bc1 = 1 - beta1^k and sqrt(bc2) for step(s) ``ks`` (CPU numbers)."""
+    h.bc1 = ops.each(lambda k: 1.0 - h.beta1**k, ks)
+    h.sqrt_bc2 = ops.each(lambda k: math.sqrt(1.0 - h.beta2**k), ks)
+    return h
+
+
+def _number(lr):
+    """A tensor lr (as torch.optim accepts) read as a number: it lives on the CPU."""
+    return lr.item() if torch.is_tensor(lr) else lr
+
+
+# ------------------------------------------------------------------ equations (2.1-2.4)
 
 def correction_coefficient(gamma, beta1):
     """a = gamma beta1 / (1 - beta1)."""
@@ -40,42 +94,68 @@ def shape_scale(shape):
     return max(1.0, shape[0] / shape[1]) ** 0.5 if shape[1] else 1.0
 
 
-# ------------------------------------------------------------------ single-tensor equations
-
-def corrected_gradient_(g_prev, g, a):
+def corrected_gradient_(g_prev, g, a, ops=SINGLE):
     r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = lerp(g_prev, g_t, 1 + a), written
     into the buffer that held g_prev: one pass, no temporary."""
-    return g_prev.lerp_(g, 1.0 + a)
+    return ops.lerp_(g_prev, g, 1.0 + a)
 
 
-def momentum_(m, c, beta1):
+def clip_tensor_(c, norm, ops=SINGLE):
+    r"""(M3), official scope: c <- c / max(||c||_F, 1), ``norm`` = ||c||_F of that tensor."""
+    return ops.divide_by_clamped_(c, norm)
+
+
+def clip_global_(cs, norms, ops=SINGLE):
+    r"""(M3), paper scope: every c divided by max(sqrt(sum ||c_i||^2), 1), one norm for all."""
+    if cs:
+        total = global_norm(norms)
+        if ops.name == "foreach":
+            ops.divide_by_clamped_(cs, [total] * len(cs))
+        else:
+            for c in cs:
+                ops.divide_by_clamped_(c, total)
+    return cs
+
+
+def global_norm(norms):
+    """sqrt(sum ||c_i||^2) of per-tensor norms (one device), ``None`` for no tensors."""
+    if not norms:
+        return None
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def momentum_(m, c, beta1, ops=SINGLE):
     r"""(M4)  m <- beta1 m + (1 - beta1) c = lerp(m, c, 1 - beta1)."""
-    return m.lerp_(c, 1.0 - beta1)
+    return ops.lerp_(m, c, 1.0 - beta1)
 
 
-def second_moment_(v, c, beta2):
+def second_moment_(v, c, beta2, ops=SINGLE):
     r"""(M6)  v <- beta2 v + (1 - beta2) c * c."""
-    return v.mul_(beta2).addcmul_(c, c, value=1.0 - beta2)
+    ops.mul_(v, beta2)
+    return ops.addcmul_(v, c, c, 1.0 - beta2)
 
 
-def adamw_step_(p, m, v, k, lr, beta1, beta2, eps, weight_decay):
+def amsgrad_max_(v_max, v, ops=SINGLE):
+    r"""(M9)  v-bar <- max(v-bar, v), used in place of v in (M7)."""
+    return ops.maximum_(v_max, v)
+
+
+def adamw_step_(p, m, v, h, ops=SINGLE):
     r"""(M7)+(M8)  p <- p (1 - lr wd) - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps).
 
-    Also (M14), the AdamW fallback, called with lr r, betas_1d and weight_decay_1d.
-    ``v`` is v-bar (M9) under amsgrad.  One temporary (the denominator).
-    """
-    bc1, bc2 = 1.0 - beta1**k, 1.0 - beta2**k
-    denom = v.sqrt().div_(math.sqrt(bc2)).add_(eps)
-    if weight_decay != 0.0:
-        p.mul_(1.0 - lr * weight_decay)
-    p.addcdiv_(m, denom, value=-lr / bc1)
+    Also (M14), the fallback, with its own ``h``.  One temporary (the denominator)."""
+    denom = ops.sqrt(v)
+    ops.div_(denom, h.sqrt_bc2)
+    ops.add_(denom, h.eps)
+    ops.decay_(p, h.lr, h.wd)
+    ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))
 
 
-def lion_step_(p, m, lr, weight_decay):
+def lion_step_(p, m, h, ops=SINGLE):
     r"""(M10)  p <- p (1 - lr wd) - lr sign(m)."""
-    if weight_decay != 0.0:
-        p.mul_(1.0 - lr * weight_decay)
-    p.add_(torch.sign(m), alpha=-lr)
+    ops.decay_(p, h.lr, h.wd)
+    ops.add_scaled_(p, ops.sign(m), -h.lr)
 
 
 def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
@@ -86,129 +166,28 @@ def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
     return newton_schulz(scaled, steps=ns_steps, eps=eps, dtype=ns_dtype)
 
 
-def shampoo_step_(p, m, lr, beta1, eps, weight_decay, orthogonalizer, ns_steps, ns_dtype):
-    r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1))."""
+def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None):
+    r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1)); ``scale`` overrides s = s(p.shape)
+    (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape)."""
     if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
         return
-    direction = shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype)
-    if weight_decay != 0.0:
-        p.mul_(1.0 - lr * weight_decay)
-    p.add_(direction, alpha=-lr * shape_scale(p.shape))
+    direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
+    SINGLE.decay_(p, h.lr, h.wd)
+    p.add_(direction, alpha=-h.lr * (shape_scale(p.shape) if scale is None else scale))
 
 
-# ------------------------------------------------------------------ multi-tensor equations
+# ------------------------------------------------------------------ the rules, per route
 
-def foreach_corrected_gradient_(g_prevs, gs, a):
-    torch._foreach_lerp_(g_prevs, gs, 1.0 + a)
-
-
-def foreach_momentum_(ms, cs, beta1):
-    torch._foreach_lerp_(ms, cs, 1.0 - beta1)
-
-
-def foreach_second_moment_(vs, cs, beta2):
-    torch._foreach_mul_(vs, beta2)
-    torch._foreach_addcmul_(vs, cs, cs, value=1.0 - beta2)
+def adamw_rule_(p, c, m, v, v_max, h, ops=SINGLE):
+    """(M4), (M6), (M9), (M7)+(M8) given the clipped corrected gradient (or raw g for M14)."""
+    momentum_(m, c, h.beta1, ops)
+    second_moment_(v, c, h.beta2, ops)
+    if v_max is not None:
+        v = amsgrad_max_(v_max, v, ops)
+    adamw_step_(p, m, v, h, ops)
 
 
-def foreach_adamw_step_(ps, ms, vs, ks, lr, beta1, beta2, eps, weight_decay):
-    denoms = torch._foreach_sqrt(vs)
-    torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**k) for k in ks])
-    torch._foreach_add_(denoms, eps)
-    if weight_decay != 0.0:
-        torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
-    torch._foreach_addcdiv_(ps, ms, denoms, [-lr / (1.0 - beta1**k) for k in ks])
-
-
-def foreach_lion_step_(ps, ms, lr, weight_decay):
-    if weight_decay != 0.0:
-        torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
-    torch._foreach_add_(ps, torch._foreach_sign(ms), alpha=-lr)
-
-
-# ------------------------------------------------------------------ phases over a group
-
-def single_tensor_correct(grads, last_grads, a):
-    """Phase 1: c_t into each ``last_grad`` buffer; returns the per-tensor norms ||c_t||_F."""
-    norms = []
-    for g, buf in zip(grads, last_grads):
-        corrected_gradient_(buf, g, a)
-        norms.append(torch.linalg.vector_norm(buf))
-    return norms
-
-
-def multi_tensor_correct(grads, last_grads, a):
-    if not grads:
-        return []
-    foreach_corrected_gradient_(last_grads, grads, a)
-    return list(torch._foreach_norm(last_grads))
-
-
-def single_tensor_divide(cs, divisors):
-    """Phase 2, the clip (M3): c <- c / max(||.||, 1), with the tensor's or the global norm."""
-    for c, d in zip(cs, divisors):
-        c.div_(d.clamp(min=1.0))
-
-
-def multi_tensor_divide(cs, divisors):
-    if cs:
-        torch._foreach_div_(cs, torch._foreach_clamp_min(divisors, 1.0))
-
-
-def single_tensor_update(bucket, hp):
-    """Phase 3: the update of every tensor of one group, by its route."""
-    b1, b2 = hp["betas"]
-    for p, g, c, st, kind in zip(*bucket):
-        k = st["step"].item()  # a CPU counter: no device synchronisation
-        if kind == FALLBACK:  # (M14) on the raw gradient
-            f1, f2 = hp["betas_1d"]
-            momentum_(st["exp_avg"], g, f1)
-            second_moment_(st["exp_avg_sq"], g, f2)
-            adamw_step_(p, st["exp_avg"], st["exp_avg_sq"], k, hp["lr"] * hp["lr_1d_factor"],
-                        f1, f2, hp["eps"], hp["wd_1d"])
-            continue
-        m = momentum_(st["exp_avg"], c, b1)
-        if kind == LION:
-            lion_step_(p, m, hp["lr"], hp["weight_decay"])
-        elif kind == SHAMPOO:
-            shampoo_step_(p, m, hp["lr"], b1, hp["eps"], hp["weight_decay"],
-                          hp["orthogonalizer"], hp["ns_steps"], hp["ns_dtype"])
-        else:
-            v = second_moment_(st["exp_avg_sq"], c, b2)
-            if hp["amsgrad"]:
-                v = torch.maximum(st["max_exp_avg_sq"], v, out=st["max_exp_avg_sq"])
-            adamw_step_(p, m, v, k, hp["lr"], b1, b2, hp["eps"], hp["weight_decay"])
-
-
-def multi_tensor_update(bucket, hp):
-    b1, b2 = hp["betas"]
-    groups = defaultdict(list)  # one foreach call per (route, device, dtype)
-    for i, (p, kind) in enumerate(zip(bucket[0], bucket[4])):
-        groups[(kind, p.device, p.dtype)].append(i)
-    for (kind, _, _), idx in groups.items():
-        ps, gs, cs, sts = ([bucket[j][i] for i in idx] for j in range(4))
-        ks = [st["step"].item() for st in sts]  # CPU counters
-        ms = [st["exp_avg"] for st in sts]
-        if kind == FALLBACK:
-            f1, f2 = hp["betas_1d"]
-            vs = [st["exp_avg_sq"] for st in sts]
-            foreach_momentum_(ms, gs, f1)
-            foreach_second_moment_(vs, gs, f2)
-            foreach_adamw_step_(ps, ms, vs, ks, hp["lr"] * hp["lr_1d_factor"], f1, f2,
-                                hp["eps"], hp["wd_1d"])
-            continue
-        foreach_momentum_(ms, cs, b1)
-        if kind == LION:
-            foreach_lion_step_(ps, ms, hp["lr"], hp["weight_decay"])
-        elif kind == SHAMPOO:  # the orthogonalizer is a matrix function: one call per tensor
-            for p, m in zip(ps, ms):
-                shampoo_step_(p, m, hp["lr"], b1, hp["eps"], hp["weight_decay"],
-                              hp["orthogonalizer"], hp["ns_steps"], hp["ns_dtype"])
-        else:
-            vs = [st["exp_avg_sq"] for st in sts]
-            foreach_second_moment_(vs, cs, b2)
-            if hp["amsgrad"]:
-                vmax = [st["max_exp_avg_sq"] for st in sts]
-                torch._foreach_maximum_(vmax, vs)
-                vs = vmax
-            foreach_adamw_step_(ps, ms, vs, ks, hp["lr"], b1, b2, hp["eps"], hp["weight_decay"])
+def lion_rule_(p, c, m, h, ops=SINGLE):
+    """(M4), (M10)."""
+    momentum_(m, c, h.beta1, ops)
+    lion_step_(p, m, h, ops)

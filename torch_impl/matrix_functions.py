@@ -10,7 +10,8 @@ from .sharding import is_dtensor, on_full_matrix
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_COEFFICIENTS):
+def newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_COEFFICIENTS,
+                  cast_first=False):
     r"""Quintic Newton-Schulz orthogonalization (M13).
 
     .. math::
@@ -21,23 +22,29 @@ def newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_CO
     accuracy), on the wide orientation (transposed when A > B), returned in M's dtype.
     The normalisation happens in M's dtype and is rounded to ``dtype`` once (the official code
     rounds M first, then divides: the two differ by one rounding of ``dtype``).
+    ``cast_first=True`` is the MARS-M authors' order instead: round M to ``dtype``, transpose,
+    then normalise in ``dtype``; the result is then returned in ``dtype`` (they add the bf16
+    matrix to the parameter).
     A sharded M (DTensor, e.g. under FSDP2) is orthogonalised as a whole matrix.
     """
     if is_dtensor(M):
-        return on_full_matrix(newton_schulz, M, steps, eps, dtype, coefficients)
+        return on_full_matrix(newton_schulz, M, steps, eps, dtype, coefficients, cast_first)
     a, b, c = coefficients
-    norm = torch.linalg.matrix_norm(M, keepdim=True)
-    X = (M / (norm + eps)).to(dtype)
     tall = M.size(-2) > M.size(-1)
-    if tall:
-        X = X.mT
+    if cast_first:
+        X = M.to(dtype)
+        X = X.mT if tall else X
+        X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    else:
+        X = (M / (torch.linalg.matrix_norm(M, keepdim=True) + eps)).to(dtype)
+        X = X.mT if tall else X
     mm = torch.addmm if X.dim() == 2 else torch.baddbmm
     for _ in range(steps):  # b Q X + c Q^2 X = (b Q + c Q^2) X: two products with X, not three
         Q = X @ X.mT
         X = mm(X, mm(Q, Q, Q, beta=b, alpha=c), X, beta=a)
     if tall:
         X = X.mT
-    return X.to(M.dtype)
+    return X if cast_first else X.to(M.dtype)
 
 
 def orthogonalize_svd(M):

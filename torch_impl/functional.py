@@ -1,0 +1,133 @@
+"""Functional forms of the optimizers, in the manner of ``torch.optim``'s functional API.
+
+``mars(...)`` and ``mars_m(...)`` take parallel lists (parameters, gradients, state tensors,
+CPU step counters, routes) and every hyperparameter as a keyword; they update everything in
+place.  The ``Optimizer`` classes only gather those lists from their groups and call these.
+Each dispatches to a single-tensor loop, the multi-tensor (foreach) kernels or the compiled
+kernels; all three run the same equation functions (``mars_functional``, ``mars_m_functional``).
+"""
+import torch
+
+from . import mars_compiled
+from . import mars_functional as F
+from .mars_m_functional import mars_m  # noqa: F401  (re-exported)
+from .tensor_ops import FOREACH, SINGLE
+
+__all__ = ["mars", "mars_m", "corrected_norms", "default_foreach"]
+
+
+def default_foreach(params):
+    """``foreach=None``: the multi-tensor kernels when every parameter is on CUDA."""
+    return bool(params) and all(p.is_cuda for p in params)
+
+
+def corrected_norms(grads, last_grads, kinds, gamma, beta1, *, maximize=False):
+    """||c_t||_F of every MARS-path tensor without changing anything: the first pass of the
+    global clip, whose one norm spans every group with ``clip_scope="global"``."""
+    a = F.correction_coefficient(gamma, beta1)
+    return [torch.linalg.vector_norm(F.corrected_gradient_(last.clone(), -g if maximize else g, a))
+            for g, last, kind in zip(grads, last_grads, kinds) if kind != F.FALLBACK]
+
+
+def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, state_steps, kinds,
+         *, lr, betas, eps, weight_decay, amsgrad, gamma, lr_1d_factor, betas_1d,
+         weight_decay_1d, weight_decay_1d_source="constructor", clip_scope="tensor",
+         orthogonalizer="newton_schulz", ns_steps=5, ns_dtype=torch.bfloat16,
+         shampoo_scales=None, maximize=False, foreach=None, compiled=False,
+         write_last_grad=True, global_clip_norm=None):
+    r"""One MARS step (M1-M14) over parallel lists; see ``torch_impl.MARS`` for the algorithm.
+
+    ``kinds[i]`` is ``mars_functional.route(...)`` of tensor i; ``exp_avg_sqs`` /
+    ``max_exp_avg_sqs`` / ``last_grads`` hold ``None`` where a route keeps no such buffer.
+    ``state_steps`` are CPU tensors, incremented here.  ``write_last_grad``: approx mode keeps
+    the raw g_t for the next step; exact mode leaves c~_t (the caller refills ``last_grad``).
+    ``global_clip_norm``: the joint norm when it spans more than these tensors (else computed
+    here).  ``shampoo_scales[i]`` overrides s for a Shampoo matrix (``None``: from its shape).
+    """
+    hp = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
+              lr_1d_factor=lr_1d_factor, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
+              weight_decay_1d_source=weight_decay_1d_source)
+    if not params:
+        return
+    torch._foreach_add_(state_steps, 1.0)  # one CPU kernel for every counter
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if clip_scope == "global" and global_clip_norm is None:
+        global_clip_norm = F.global_norm(corrected_norms(grads, last_grads, kinds, gamma, betas[0]))
+    buffers = [params, grads, exp_avgs, exp_avg_sqs,
+               max_exp_avg_sqs if amsgrad else [None] * len(params), last_grads]
+    if shampoo_scales is None:
+        shampoo_scales = [None] * len(params)
+    shampoo = dict(orthogonalizer=orthogonalizer, ns_steps=ns_steps, ns_dtype=ns_dtype)
+    if compiled:
+        eager = [i for i, k in enumerate(kinds) if k == F.SHAMPOO]  # matmul-bound: stays eager
+        fused = [i for i, k in enumerate(kinds) if k != F.SHAMPOO]
+        mars_compiled.update([_take(b, fused) for b in buffers], [state_steps[i] for i in fused],
+                             [kinds[i] for i in fused], hp, clip_scope, global_clip_norm,
+                             write_last_grad, grouped=compiled == "group")
+        buffers, kinds = [_take(b, eager) for b in buffers], [kinds[i] for i in eager]
+        state_steps, shampoo_scales = _take(state_steps, eager), _take(shampoo_scales, eager)
+        foreach = False
+    if foreach is None:
+        foreach = default_foreach(params)
+    run = _multi_tensor_mars if foreach else _single_tensor_mars
+    run(buffers, state_steps, kinds, hp, clip_scope, global_clip_norm, write_last_grad,
+        shampoo, shampoo_scales)
+
+
+def _take(xs, idx):
+    return [xs[i] for i in idx]
+
+
+def _single_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, shampoo, scales):
+    """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
+    hypers = {kind: F.resolve_hyperparameters(hp, kind) for kind in set(kinds)}
+    for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
+        h = F.with_bias_corrections(hypers[kind], k.item(), SINGLE)  # CPU counter: no sync
+        if kind == F.FALLBACK:  # (M14) on the raw gradient
+            F.adamw_rule_(p, g, m, v, None, h, SINGLE)
+            continue
+        c = F.corrected_gradient_(last, g, h.a, SINGLE)
+        if scope == "tensor":
+            F.clip_tensor_(c, SINGLE.norm(c), SINGLE)
+        elif scope == "global":
+            SINGLE.divide_by_clamped_(c, total)
+        if kind == F.LION:
+            F.lion_rule_(p, c, m, h, SINGLE)
+        elif kind == F.SHAMPOO:
+            F.momentum_(m, c, h.beta1, SINGLE)
+            F.shampoo_step_(p, m, h, scale=scale, **shampoo)
+        else:
+            F.adamw_rule_(p, c, m, v, v_max, h, SINGLE)
+        if write_last:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
+            last.copy_(g)
+
+
+def _multi_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, shampoo, scales):
+    """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
+    dtype) bucket."""
+    buckets = {}
+    for i, (p, kind) in enumerate(zip(buffers[0], kinds)):
+        buckets.setdefault((kind, p.device, p.dtype), []).append(i)
+    for (kind, _, _), idx in buckets.items():
+        ps, gs, ms, vs, vmaxs, lasts = (_take(b, idx) for b in buffers)
+        h = F.with_bias_corrections(F.resolve_hyperparameters(hp, kind),
+                                    [steps[i].item() for i in idx], FOREACH)
+        if kind == F.FALLBACK:
+            F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)
+            continue
+        cs = F.corrected_gradient_(lasts, gs, h.a, FOREACH)
+        if scope == "tensor":
+            F.clip_tensor_(cs, FOREACH.norm(cs), FOREACH)
+        elif scope == "global":
+            FOREACH.divide_by_clamped_(cs, [total] * len(cs))
+        if kind == F.LION:
+            F.lion_rule_(ps, cs, ms, h, FOREACH)
+        elif kind == F.SHAMPOO:  # the orthogonalizer is a matrix function: one call per tensor
+            F.momentum_(ms, cs, h.beta1, FOREACH)
+            for i, p, m in zip(idx, ps, ms):
+                F.shampoo_step_(p, m, h, scale=scales[i], **shampoo)
+        else:
+            F.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h, FOREACH)
+        if write_last:
+            FOREACH.copy_(lasts, gs)

@@ -1,0 +1,24 @@
+"""Hyperparameter validation shared by the optimizers: each failure is a ``ValueError`` that
+names the argument (torch.optim's convention)."""
+import torch
+
+
+def check_number(name, value, low=None, high=None, high_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if value != value or (low is not None and value < low) or \
+            (high is not None and (value >= high if high_open else value > high)):
+        interval = f"[{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected a value in {interval}, got {value!r}")
+
+
+def check_betas(name, betas):
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{name}: expected a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True)
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
