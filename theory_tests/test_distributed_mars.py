@@ -125,11 +125,12 @@ def _sharded_model(mesh):
     return fully_shard(model, mesh=mesh)
 
 
-def _local_shard_control(mesh, options, rank, world):
-    """MARS over plain copies of the local shards: per-shard norms and matrix functions."""
+def _local_shard_control(mesh, make_optimizer, rank, world):
+    """An optimizer (``make_optimizer(params)``) over plain copies of the local shards:
+    per-shard norms and matrix functions."""
     model = _sharded_model(mesh)
     local = [nn.Parameter(p.to_local().clone()) for p in model.parameters()]
-    opt = MARS(local, **options)
+    opt = make_optimizer(local)
     for t in range(STEPS):
         x, y = _batch(t)
         Fn.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
@@ -154,7 +155,8 @@ def _fsdp_job(rank, world):
                world)
         out[name] = [p.full_tensor() for p in model.parameters()]
     for name in CONTROLS if world == 2 else ():
-        out["control:" + name] = _local_shard_control(mesh, FSDP_CASES[name], rank, world)
+        out["control:" + name] = _local_shard_control(
+            mesh, lambda ps: MARS(ps, **FSDP_CASES[name]), rank, world)
     return out
 
 

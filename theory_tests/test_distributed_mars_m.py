@@ -7,11 +7,10 @@ comparison can fail).  Float64 throughout; 1e-12 covers sharded reductions' summ
 """
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as Fn
 
 from distributed_harness import run
-from test_distributed_mars import STEPS, _batch, _model, _sharded_model
+from test_distributed_mars import STEPS, _batch, _local_shard_control, _model, _sharded_model
 from torch_impl import MARSM
 
 CASES = {"loop": dict(foreach=False), "foreach": dict(foreach=True),
@@ -47,20 +46,8 @@ def _fsdp_job(rank, world):
         _train(model, MARSM(model.parameters(), **_options(case)), rank, world)
         out[case] = [p.full_tensor() for p in model.parameters()]
     # control: MARS-M on plain copies of the local shards (per-shard norm and NS)
-    model = _sharded_model(mesh)
-    local = [nn.Parameter(p.to_local().clone()) for p in model.parameters()]
-    opt = MARSM(local, **_options("loop"))
-    for t in range(STEPS):
-        x, y = _batch(t)
-        Fn.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        for q, p in zip(local, model.parameters()):
-            q.grad = p.grad.to_local().clone()
-        opt.step()
-        model.zero_grad()
-        with torch.no_grad():
-            for q, p in zip(local, model.parameters()):
-                p.to_local().copy_(q)
-    out["control"] = [p.full_tensor() for p in model.parameters()]
+    out["control"] = _local_shard_control(
+        mesh, lambda ps: MARSM(ps, **_options("loop")), rank, world)
     return out
 
 
