@@ -1,23 +1,19 @@
 """Curated mutants, one-line bugs in the math, keyed by the ``paper_notes/claims.md`` row
 whose tests must kill them (``theory_tests/mutation_harness.py`` runs them).
 
-``old`` must occur exactly once in ``path``; ``tests`` (optional) replaces the row's test
-column; ``equivalent`` (optional) says why a mutant cannot change behaviour, and such a
-mutant is expected to survive. Each row that names code has at least one mutant of it, in
+A ``Mutant`` (``mutant.py``) is an exact text replacement; ``tests`` (optional) replaces the
+row's test column; ``equivalent`` (optional) says why a mutant cannot change behaviour, and
+such a mutant is expected to survive. Each row that names code has at least one mutant of it, in
 the oracle and in the port where each exists.
 """
-from dataclasses import dataclass
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutant import Mutant  # noqa: E402
+from mutants_mars import MARS_MUTANTS  # noqa: E402
 
 __all__ = ["Mutant", "MUTANTS"]
-
-
-@dataclass(frozen=True)
-class Mutant:
-    path: str
-    old: str
-    new: str
-    tests: tuple = ()
-    equivalent: str = None
 
 
 R_F, T_F = "reference/mkor_factors.py", "torch_impl/mkor/factors.py"
@@ -28,7 +24,6 @@ T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/mkor/kfac.py"
 R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mkor/hybrid.py"
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
-R_MARS, R_NS = "reference/mars.py", "reference/matrix_functions.py"
 
 MUTANTS = {
     "K1": [
@@ -235,25 +230,6 @@ MUTANTS = {
         Mutant(T_L, "    ok_a, fired_a = update(\"R_inv\", R, a_bar, s[\"updates_a\"] == 0, flag_a)",
                "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 0, s[\"updates_a\"] == 0, flag_a)"),
     ],
-    # -- MARS: the oracle's equations (the port's mutants follow the port's restructuring) --
-    "M1": [Mutant(R_MARS, "    return g + correction_coefficient(gamma, beta1) * (g - g_prev)",
-                  "    return g + correction_coefficient(gamma, beta1) * (g - 2 * g_prev)")],
-    "M2": [Mutant(R_MARS, "    return gamma * beta1 / (1.0 - beta1)", "    return gamma * beta1 / (1.0 + beta1)")],
-    "M3": [Mutant(R_MARS, "    return c / norm if norm > 1.0 else c", "    return c / norm if norm > 2.0 else c")],
-    "M4": [Mutant(R_MARS, "    return beta1 * m + (1.0 - beta1) * c", "    return beta1 * m + c")],
-    "M6": [Mutant(R_MARS, "    return beta2 * v + (1.0 - beta2) * c * c", "    return beta2 * v + (1.0 - beta2) * c * abs(c) ** 0.5")],
-    "M7": [Mutant(R_MARS, "    return m / ((np.sqrt(v) / np.sqrt(bc2) + eps) * bc1)",
-                  "    return m / ((np.sqrt(v) + eps) * bc1)")],
-    "M8": [Mutant(R_MARS, "    return p - lr * (u + weight_decay * p)", "    return p - lr * u - weight_decay * p")],
-    "M9": [Mutant(R_MARS, "    return np.maximum(v_max, v)", "    return np.minimum(v_max, v)")],
-    "M10": [Mutant(R_MARS, "    return np.sign(m)", "    return np.sign(m) * 0.5")],
-    "M12": [
-        # Not equivalent: NS divides by ||M|| + eps, so the prescale moves O by ~eps / ||m||.
-        Mutant(R_MARS, "    scaled = m / (1.0 - beta1)", "    scaled = m"),
-        Mutant(R_MARS, "    return max(1.0, rows / cols) ** 0.5 if cols else 1.0",
-               "    return max(1.0, cols / rows) ** 0.5 if cols else 1.0"),
-    ],
-    "M13": [Mutant(R_NS, "        X = a * X + (b * Q + c * (Q @ Q)) @ X", "        X = a * X + (b * Q + c * Q) @ X")],
     "PORT-LAYERS": [
         Mutant(T_LAYERS, "        return module.weight.grad.T\n", "        return module.weight.grad.T.flip(0)\n",
                tests=("theory_tests/test_mkor_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
@@ -274,3 +250,14 @@ MUTANTS = {
         Mutant(T_K, "                    s[key] = torch.where(ok, blended, s[key])", "                    s[key] = blended"),
     ],
 }
+
+
+# The MARS family's mutants live in their own file (one list per optimizer family).
+assert not set(MARS_MUTANTS) & set(MUTANTS), set(MARS_MUTANTS) & set(MUTANTS)
+MUTANTS.update(MARS_MUTANTS)
+
+
+if __name__ == "__main__":  # python -m theory_tests.mutants [--jobs 2] [--only ID ...]
+    from mutation_harness import main
+
+    sys.exit(main())

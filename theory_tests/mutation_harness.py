@@ -1,13 +1,14 @@
 """Mutation harness: every claim's tests must kill every mutant of the code the claim names.
 
-    python theory_tests/mutation_harness.py [--jobs 2] [--only ID ...] [--list]
+    python -m theory_tests.mutants [--jobs 2] [--only ID ...] [--list] [--json FILE]
 
 A mutant (``theory_tests/mutants.py``) is a one-line bug in the math a row of
 ``paper_notes/claims.md`` covers: an exact text replacement in one file of ``reference/`` or
 ``torch_impl/``. For each mutant the harness copies the project's code to a temporary
 directory (one per worker, made once), applies the replacement there (the working tree is
-never touched) and reverts it after the run, and runs the row's tests (the ``test`` column, or the mutant's own ``tests``) against the copy with
-``pytest -x``. A mutant is *killed* when the tests fail, *survives* when they pass; the
+never touched; a mutant shared by the oracle and the port edits both files), runs the row's
+tests (the ``test`` column, or the mutant's own ``tests``) against the copy with ``pytest -x``,
+and reverts it. A mutant is *killed* when the tests fail, *survives* when they pass; the
 command exits non-zero if any mutant not marked ``equivalent`` survives, or if one no longer
 applies (its text is gone: the list must follow the code). Equivalent mutants (a change that
 cannot alter behaviour) stay in the list with the reason and are expected to survive.
@@ -129,19 +130,24 @@ class Workspace:
         """Apply one mutant, run its tests, revert; returns a result dict."""
         tests = mutant.tests or row_tests(row_id)
         start = time.perf_counter()
-        target = self.dir / mutant.path
-        original = target.read_text()
-        count = original.count(mutant.old)
-        result = dict(row=row_id, index=index, path=mutant.path, tests=list(tests))
-        if count != 1:
-            return dict(result, status="stale", seconds=0.0,
-                        detail=f"the text to replace occurs {count} times")
-        target.write_text(original.replace(mutant.old, mutant.new))
+        result = dict(row=row_id, index=index, path=mutant.path, tests=list(tests),
+                      files=sorted({path for path, _, _ in mutant.edits()}))
+        originals = {path: (self.dir / path).read_text() for path in result["files"]}
+        mutated = dict(originals)
+        for path, old, new in mutant.edits():
+            count = mutated[path].count(old)
+            if count != 1:
+                return dict(result, status="stale", seconds=0.0,
+                            detail=f"{path}: the text to replace occurs {count} times")
+            mutated[path] = mutated[path].replace(old, new)
         try:
+            for path, text in mutated.items():
+                (self.dir / path).write_text(text)
             code, tail = self._pytest(["-x", "-q", "-p", "no:cacheprovider", "--no-header",
                                        "-m", "not cuda", *_pytest_ids(tests)])
         finally:
-            target.write_text(original)
+            for path, text in originals.items():
+                (self.dir / path).write_text(text)
         if code == 1:
             status = "killed"
         elif code == 0:
@@ -191,7 +197,7 @@ def main(argv=None):
             future.result()
     by_file = {}
     for r in results:
-        counts = by_file.setdefault(r["path"], {})
+        counts = by_file.setdefault(" + ".join(r["files"]), {})
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     print("\n| file | " + " | ".join(("killed", "survived", "equivalent", "stale", "error"))
           + " |\n|---|---|---|---|---|---|")
