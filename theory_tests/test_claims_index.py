@@ -6,6 +6,9 @@
 * Every id that ``paper_notes/mars.md`` or ``paper_notes/mkor.md`` mentions (M#, MT#, K#, KT#,
   Lemma #.#, "Algorithm 1 line(s) N") is covered by the source column of some row.
 * A row without a test says why in its reference column ("—" and a reason).
+* Every row that names code has a mutant of it (``mutants.py``, ``mutants_mars.py``): a row
+  naming oracle code has one editing ``reference/``, a row naming port code one editing
+  ``torch_impl/`` (``python -m theory_tests.mutants`` checks that its tests kill them).
 * The notes' own path-form references (``reference/x.py::name``, ``torch_impl/x.py::name``) and
   test references (``test_x.py::test_y``) resolve too, so a rename anywhere is caught.
 
@@ -231,3 +234,17 @@ def test_the_notes_references_resolve():
                 except Exception as error:
                     problems.append(f"{path.name}: {token}: {type(error).__name__}: {error}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("column, package", [("reference", "reference/"), ("torch", "torch_impl/")])
+def test_every_row_that_names_code_has_a_mutant_of_it(column, package):
+    from mutants import MUTANTS
+
+    missing = []
+    for row in claim_rows():
+        if row[column].startswith(NONE) or not targets(row[column]):
+            continue
+        edited = {path for m in MUTANTS.get(row["id"], ()) for path, _, _ in m.edits()}
+        if not any(path.startswith(package) for path in edited):
+            missing.append(row["id"])
+    assert not missing, f"rows naming {package} code without a mutant of it: {missing}"
