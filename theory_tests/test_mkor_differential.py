@@ -4,9 +4,16 @@ Part 1 compares the pure functions one by one on random inputs. Part 2 trains an
 (with a 3-D input to one Linear) and a small CNN (Conv2d with bias, stride, padding)
 for 24 steps with an SGD-momentum backbone: the vectors the torch hooks capture and the
 raw gradients are fed to ``MKORReference``, whose deltas drive ``first_order.sgd`` on a
-NumPy copy of the parameters. Factors and parameters must agree to 1e-10 at every step
-(both sides are float64 and run the same formulas; only operation order differs, so
-the observed gap is ~1e-14 -- 1e-10 leaves room for the stabiliser's growth of J).
+NumPy copy of the parameters. Factors and parameters must agree at every step.
+
+Tolerances are relative to the magnitude compared (``_agree``: rel * max(1, max|oracle|)):
+both sides are float64 and run the same formulas, only operation order differs, so each
+side's error is a few d eps of the largest entry per operation. The training runs use
+rel = 1e-11: an update of J is O(d) operations per entry (d <= 28 here), its error grows with
+J (entries ~1.6e5 at stat_decay 0.2, where the stabiliser's blend cannot keep up with the
+1/gamma = 5x growth per update), so after k = 8 updates |error| <= k c d eps max|J| ~ 5e-14 c
+max|J|; observed 1e-13 max|J| at stat_decay 0.2, 1e-15 otherwise. An absolute 1e-10 failed
+correct code there (1.3e-10 on entries of 1.6e5).
 """
 import numpy as np
 import pytest
@@ -23,7 +30,15 @@ from torch_impl.mkor import vectors as TV
 
 
 f64 = torch.float64
-ATOL = 1e-10
+TRAIN_REL = 1e-11  # see the module docstring
+
+
+def _agree(ours, theirs, rel=1e-12):
+    """|ours - theirs| <= rel * max(1, max|theirs|) entrywise: relative to the largest
+    entry compared (with an absolute floor of rel for entries below 1)."""
+    theirs = np.asarray(theirs)
+    ours = ours.detach().cpu().numpy() if torch.is_tensor(ours) else np.asarray(ours)
+    return np.allclose(ours, theirs, rtol=0, atol=rel * max(1.0, np.abs(theirs).max(initial=0)))
 
 
 def _spd(rng, d):
@@ -48,8 +63,7 @@ def test_rank1_updates_match_the_oracle(d, seed, gamma, scale):
                          (T.released_inverse_update(_t(J), _t(v)),
                           R.released_inverse_update(J, v)),
                          (T.stabilise(_t(J), gamma), R.stabilise(J, gamma))):
-        scale_ref = max(1.0, np.abs(theirs).max())
-        assert np.allclose(ours.numpy(), theirs, rtol=0, atol=1e-12 * scale_ref)
+        assert _agree(ours, theirs)
     assert T.max_entry_norm(_t(J)).item() == R.max_entry_norm(J)
 
 
@@ -72,7 +86,7 @@ def test_factor_update_matches_the_oracle_for_every_option(variant, timing, rese
                                      threshold=2.0, stabilizer_timing=timing,
                                      stabilizer_reset=reset, first_update=first_update,
                                      first=torch.tensor(first), reset_flag=torch.tensor(flag))
-        assert np.allclose(out.numpy(), ref_J, rtol=0, atol=1e-12)
+        assert _agree(out, ref_J)
         assert bool(fired) == bool(ref_fired)
 
 
@@ -85,9 +99,9 @@ def test_precondition_and_rescale_match_the_oracle(seed, bias, mode, zero):
     L, Rm = _spd(rng, 3), _spd(rng, 8 + bias)
     dW, db = R.precondition(L, Rm, gW, gb)
     tW, tb = T.precondition(_t(L), _t(Rm), _t(gW), None if gb is None else _t(gb))
-    assert np.allclose(tW.numpy(), dW, rtol=0, atol=1e-12)
+    assert _agree(tW, dW)
     if bias:
-        assert np.allclose(tb.numpy(), db, rtol=0, atol=1e-12)
+        assert _agree(tb, db)
     if zero == "g":
         gW, gb = 0 * gW, None if gb is None else 0 * gb
     if zero == "d":
@@ -95,9 +109,9 @@ def test_precondition_and_rescale_match_the_oracle(seed, bias, mode, zero):
     oW, ob = R.rescale(dW, db, gW, gb, mode)
     sW, sb = T.rescale(_t(dW), None if db is None else _t(db), _t(gW),
                        None if gb is None else _t(gb), mode)
-    assert np.allclose(sW.numpy(), oW, rtol=0, atol=1e-12)
+    assert _agree(sW, oW)
     if bias:
-        assert np.allclose(sb.numpy(), ob, rtol=0, atol=1e-12)
+        assert _agree(sb, ob)
 
 
 def test_rank1_vectors_and_unfold_match_the_oracle():
@@ -106,7 +120,7 @@ def test_rank1_vectors_and_unfold_match_the_oracle():
     for bias in (True, False):
         for ours, theirs in zip(TV.linear_rank1_vectors(_t(a), _t(g), bias),
                                 R.linear_rank1_vectors(a, g, bias)):
-            assert np.allclose(ours.numpy(), theirs, rtol=0, atol=1e-13)
+            assert _agree(ours, theirs, 1e-13)
     x = rng.standard_normal((2, 3, 7, 6))
     for k, s, p, dil in ((3, 2, 1, 1), (2, 1, 0, 2), ((3, 1), (1, 2), (1, 0), 1)):
         cols = R.unfold2d(x, k, dilation=dil, padding=p, stride=s)
@@ -119,7 +133,7 @@ def test_rank1_vectors_and_unfold_match_the_oracle():
         g_out = g_out.reshape(2, 4, h_out, -1)
         for ours, theirs in zip(TV.conv2d_rank1_vectors(_t(x), _t(g_out), k, s, p, dil, True),
                                 R.conv2d_rank1_vectors(x, g_out, k, s, p, dil, True)):
-            assert np.allclose(ours.numpy(), theirs, rtol=0, atol=1e-13)
+            assert _agree(ours, theirs, 1e-13)
 
 
 @given(seed=st.integers(0, 2**31 - 1), window=st.integers(1, 4), every=st.integers(1, 3),
@@ -163,6 +177,7 @@ class CNN(nn.Module):
 
 CASES = {  # stat_decay 0.8 makes the paper stabiliser fire; threshold 0.99 the released one
     "paper": dict(variant="paper", stat_decay=0.8),
+    "paper_fast_decay": dict(variant="paper", stat_decay=0.2),  # J grows to ~1e5-1e6
     "released": dict(variant="released"),
     "released_low_threshold": dict(variant="released", threshold=0.99),
 }
@@ -225,8 +240,7 @@ def test_training_matches_the_oracle(device, kind, case):
             if due:
                 a_bar, g_bar = (v.cpu().numpy() for v in captured[n])
                 ref_a, ref_g = _oracle_vectors(m, seen["x", n], seen["g", n])
-                assert np.allclose(a_bar, ref_a, rtol=0, atol=1e-12)
-                assert np.allclose(g_bar, ref_g, rtol=0, atol=1e-12)
+                assert _agree(a_bar, ref_a) and _agree(g_bar, ref_g)
                 layer["a_bar"], layer["g_bar"] = a_bar, g_bar
             layers.append(layer)
         deltas = ref.step(layers)
@@ -236,12 +250,12 @@ def test_training_matches_the_oracle(device, kind, case):
         mkor.step()
         opt.zero_grad()
         for p, q in zip(params, np_params):
-            assert np.allclose(p.detach().cpu().numpy(), q, rtol=0, atol=ATOL), t
+            assert _agree(p, q, TRAIN_REL), t
         factors = mkor.inverse_factors()
         for i, n in enumerate(names):
             L, Rm = factors[n]
-            assert np.allclose(L.cpu().numpy(), ref.L_inv[i], rtol=0, atol=ATOL), (t, n)
-            assert np.allclose(Rm.cpu().numpy(), ref.R_inv[i], rtol=0, atol=ATOL), (t, n)
+            assert _agree(L, ref.L_inv[i], TRAIN_REL), (t, n)
+            assert _agree(Rm, ref.R_inv[i], TRAIN_REL), (t, n)
     counters = mkor.counters()
     fired = sum(int(c["fired"]) for c in counters.values())
     assert fired == ref.stabiliser_fired
