@@ -178,41 +178,72 @@ def _generic_psd(d, name="b"):
     return B * B.T, B
 
 
+def _generic_symmetric(d):
+    """A generic symmetric J (entries j_ik = j_ki), a generic v, and their object arrays."""
+    J = sp.Matrix(d, d, lambda i, k: sp.Symbol(f"j{min(i, k)}{max(i, k)}"))
+    v = sp.Matrix(sp.symbols(f"v0:{d}", real=True))
+    return J, v, np.array(J.tolist(), dtype=object), np.array(list(v), dtype=object)
+
+
+def _denominators_of_the_code(d):
+    """The denominators the reference's updates divide by, read off their outputs (not
+    retyped): a rank-1 update J_t = (J - c J v v^T J / D) / gamma maps v to
+    J_t v = J v (D - c q) / (gamma D), q = v^T J v, which is J v / D exactly when the code's
+    D and c are the Lemma's (D = gamma + (1-gamma) q, c = 1 - gamma); so
+    D_paper = q / (v^T ema_inverse_update(J, v, gamma) v). Likewise SM(J, v) v = J v / (1 + q),
+    so the Sherman-Morrison denominator is 1 / (1 - v^T sherman_morrison(J, v) v).
+    Generic symmetric J; returns (D_paper, D_sm, J, v) with J's entries free symbols."""
+    J, v, J_arr, v_arr = _generic_symmetric(d)
+    q = (v.T * J * v)[0, 0]
+    D_paper = sp.cancel(q / (v_arr @ ema_inverse_update(J_arr, v_arr, gamma) @ v_arr))
+    D_sm = sp.cancel(1 / (1 - v_arr @ sherman_morrison(J_arr, v_arr) @ v_arr))
+    return D_paper, D_sm, J, v
+
+
 @pytest.mark.parametrize("d", [2, 3])
 def test_lemma_3_1_sm_denominator_is_at_least_one(d):
-    """Lemma 3.1 / KT2 with a sum-of-squares certificate. The "paper" update divides by
-    D = gamma + (1-gamma) v^T J v (``ema_inverse_update``); for J = B B^T and gamma = 1/(1+s),
-    s > 0 (i.e. gamma in (0, 1)), D / gamma - 1 = s ||B^T v||^2, a positive multiple of a sum
-    of squares, so D / gamma >= 1 and the division is never by ~0. The "released" update's
-    denominator 1 + v^T J' v, J' = 0.95 J + 0.05 I, exceeds 1 by 0.95||B^T v||^2 + 0.05||v||^2."""
-    J, B = _generic_psd(d)
-    v = sp.Matrix(sp.symbols(f"v0:{d}", real=True))
+    """Lemma 3.1 / KT2 with a sum-of-squares certificate, on the code's own denominators
+    (``_denominators_of_the_code``: a sign flip or a wrong weight in ``ema_inverse_update``
+    fails here). For J = B B^T and gamma = 1/(1+s), s > 0 (i.e. gamma in (0, 1)), the "paper"
+    update's D satisfies D / gamma - 1 = s ||B^T v||^2, a positive multiple of a sum of
+    squares, so D / gamma = 1 + (1-gamma) gamma^-1 v^T J v >= 1 and the division is never by
+    ~0. The "released" update is SM(J', v) with J' = 0.95 J + 0.05 I (the blend is K10's,
+    retyped here with exact rationals; ``released_inverse_update`` itself uses float weights,
+    tested numerically in ``test_mkor_torch_factors.py::``
+    ``test_released_update_is_sm_of_the_blended_inverse_and_stays_in_its_bounds``): its SM
+    denominator exceeds 1 by 0.95||B^T v||^2 + 0.05||v||^2."""
+    D_paper, D_sm, J, v = _denominators_of_the_code(d)
+    B_J, B = _generic_psd(d)
     s = sp.Symbol("s", positive=True)
-    gam = 1 / (1 + s)
-    vJv = (v.T * J * v)[0, 0]
-    denominator = gam + (1 - gam) * vJv
+    as_psd = {J[i, k]: B_J[i, k] for i in range(d) for k in range(d)}
     certificate = s * sum(x**2 for x in (B.T * v))
-    assert sp.simplify(denominator / gam - 1 - certificate) == 0
+    D_over_gamma = D_paper.subs(as_psd).subs(gamma, 1 / (1 + s)) * (1 + s)
+    assert sp.simplify(D_over_gamma - 1 - certificate) == 0
     assert certificate.is_nonnegative
-    blend = sp.Rational(95, 100) * J + sp.Rational(5, 100) * sp.eye(d)
+    blend = sp.Rational(95, 100) * B_J + sp.Rational(5, 100) * sp.eye(d)
     released = (sp.Rational(95, 100) * sum(x**2 for x in (B.T * v))
                 + sp.Rational(5, 100) * sum(x**2 for x in v))
-    assert sp.expand((v.T * blend * v)[0, 0] - released) == 0 and released.is_nonnegative
+    as_blend = {J[i, k]: blend[i, k] for i in range(d) for k in range(d)}
+    assert sp.expand(D_sm.subs(as_blend) - 1 - released) == 0 and released.is_nonnegative
 
 
 def test_lemma_3_1_denominator_is_the_determinant_ratio(d=2):
     """The matrix determinant lemma on the reference's output: det(J_t) gamma^(d-1) D = det(J),
-    D = gamma + (1-gamma) v^T J v. With D >= gamma > 0 (above), det J_t > 0 whenever det J > 0,
-    and together with J_t = (gamma J^{-1} + (1-gamma) v v^T)^{-1} (``test_mkor_sympy.py``), a
-    PD-plus-PSD inverse, J_t stays SPD with no damping. The Sherman-Morrison step under
-    "released" (applied to J' = 0.95 J + 0.05 I) likewise has det(SM(J, v)) (1 + v^T J v) = det J.
+    D = gamma + (1-gamma) v^T J v, the denominator the code divides by
+    (``_denominators_of_the_code``: checked equal here, so a sign flip in
+    ``ema_inverse_update`` fails). With D >= gamma > 0 (above), det J_t > 0 whenever
+    det J > 0, and together with J_t = (gamma J^{-1} + (1-gamma) v v^T)^{-1}
+    (``test_mkor_sympy.py``), a PD-plus-PSD inverse, J_t stays SPD with no damping. The
+    Sherman-Morrison step under "released" (applied to J' = 0.95 J + 0.05 I) likewise divides
+    by 1 + v^T J v and has det(SM(J, v)) (1 + v^T J v) = det J.
     Generic symmetric 2 x 2 J (the 3 x 3 determinant of the rational output takes minutes in
     sympy; the inverse identities themselves are proved for 3 x 3 in ``test_mkor_sympy.py``)."""
-    J = sp.Matrix(d, d, lambda i, k: sp.Symbol(f"j{min(i, k)}{max(i, k)}"))
-    v = sp.Matrix(sp.symbols(f"v0:{d}"))
+    D_code, D_sm_code, J, v = _denominators_of_the_code(d)
     J_arr, v_arr = np.array(J.tolist(), dtype=object), np.array(list(v), dtype=object)
+    q = (v.T * J * v)[0, 0]
+    D = gamma + (1 - gamma) * q
+    assert sp.expand(D_code - D) == 0 and sp.expand(D_sm_code - (1 + q)) == 0
     J_t = sp.Matrix(ema_inverse_update(J_arr, v_arr, gamma).tolist())
-    D = gamma + (1 - gamma) * (v.T * J * v)[0, 0]
     assert sp.cancel(J_t.det() * gamma ** (d - 1) * D - J.det()) == 0
     J_sm = sp.Matrix(sherman_morrison(J_arr, v_arr).tolist())
-    assert sp.cancel(J_sm.det() * (1 + (v.T * J * v)[0, 0]) - J.det()) == 0
+    assert sp.cancel(J_sm.det() * (1 + q) - J.det()) == 0
