@@ -1,11 +1,13 @@
 """The optimizer registry of the figures: every curve is a :class:`Spec` (label, registry
 entry, keyword overrides) built by :func:`build` from ``torch_impl`` (public API) and
 ``torch.optim``, with the spec's defaults (MARS.md section 3 and 6, MKOR.md section 3)."""
+import contextlib
 import dataclasses
 
 import torch
 
 from torch_impl import KFAC, LAMB, MARS, MARSM, MKOR
+from torch_impl.matrix_functions import newton_schulz
 
 
 class Lion(torch.optim.Optimizer):
@@ -28,6 +30,43 @@ class Lion(torch.optim.Optimizer):
                 m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
+@contextlib.contextmanager
+def _float32_newton_schulz():
+    """torch.optim.Muon's step with its Newton-Schulz in float32: torch casts to bf16 inside
+    the private ``torch.optim._muon._zeropower_via_newtonschulz``; this swaps that function
+    for ``torch_impl``'s (the same quintic, coefficients and steps) for the step's duration."""
+    import torch.optim._muon as muon_module
+
+    original = muon_module._zeropower_via_newtonschulz
+
+    def float32_ns(grad, ns_coefficients, ns_steps, eps):
+        return newton_schulz(grad, steps=ns_steps, eps=eps, dtype=torch.float32,
+                             coefficients=ns_coefficients)
+
+    muon_module._zeropower_via_newtonschulz = float32_ns
+    try:
+        yield
+    finally:
+        muon_module._zeropower_via_newtonschulz = original
+
+
+class Float32Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` (its momentum, lr adjustment and weight decay) with the
+    Newton-Schulz iteration in float32 instead of bf16 (see ``DEFAULTS``)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with _float32_newton_schulz():
+            return super().step(closure)
+
+
+# Every Newton-Schulz of the figures (MARS-Shampoo, MARS-M, Muon) runs in float32, not the
+# bf16 of the authors and of torch.optim.Muon: on a CPU without bf16 matrix units (this
+# project's AMD EPYC) a bf16 matmul is ~17x slower than float32, and bf16 alone made the
+# quick figures take 24 minutes instead of 5; the figures are about convergence, which a
+# float32 iteration of the same quintic does not disadvantage. The names are recorded in
+# the figure JSON.
+#
 # Keyword defaults per optimizer: MARS from the official constructor with the GPT-2 runs'
 # weight decay (spec MARS.md sections 3 and 6), AdamW from the GPT-2 AdamW runs, Muon wd 0,
 # MKOR and K-FAC with the released defaults (inv_freq 10, damping 1e-3) on an SGD backbone.
@@ -38,12 +77,11 @@ DEFAULTS = {
     "Lion": dict(betas=(0.9, 0.99), weight_decay=0.0),
     "MARS-AdamW": dict(_MARS, mars_type="mars-adamw"),
     "MARS-Lion": dict(_MARS, mars_type="mars-lion"),
-    "MARS-Shampoo": dict(_MARS, mars_type="mars-shampoo"),
-    "Muon": dict(momentum=0.95, weight_decay=0.0, adamw_lr=3e-3, exclude=("head",)),
+    "MARS-Shampoo": dict(_MARS, mars_type="mars-shampoo", ns_dtype="float32"),
+    "Muon": dict(momentum=0.95, weight_decay=0.0, adamw_lr=3e-3, exclude=("head",),
+                 ns_dtype="float32"),
     # MARS-M: the authors' GPT-2 small config (wd 1e-2, momentum 0.95, gamma 0.025); the same
     # matrices as Muon take the MARS-M rule, everything else its AdamW backup at the same lr.
-    # float32 Newton-Schulz: this CPU's bf16 matmuls are ~9x slower than float32 at these sizes
-    # (README, "Figures"); the authors' bf16 is MARSM's default.
     "MARS-M": dict(momentum=0.95, weight_decay=1e-2, gamma=0.025, exclude=("head",),
                    ns_dtype="float32"),  # a name: the figure JSON records these keywords
     "MKOR": dict(variant="paper", inv_freq=10, backbone="sgd"),
@@ -139,11 +177,14 @@ def build(spec, model, lr):
                 ([dict(params=rest, rule="adamw")] if rest else [])
             return Stepper([MARSM(groups, lr=lr, **kw)])
         adamw_lr = kw.pop("adamw_lr")
-        opts = [torch.optim.Muon(muon, lr=lr, **kw)]
+        muon_class = {"float32": Float32Muon, "bfloat16": torch.optim.Muon}[kw.pop("ns_dtype")]
+        opts = [muon_class(muon, lr=lr, **kw)]
         if rest:
             opts.append(torch.optim.AdamW(rest, lr=adamw_lr, **DEFAULTS["AdamW"]))
         return Stepper(opts)
     if base.startswith("MARS"):
+        if "ns_dtype" in kw:
+            kw["ns_dtype"] = getattr(torch, kw["ns_dtype"])
         return Stepper([MARS(params, lr=lr, **kw)])
     backbone = _backbone(kw.pop("backbone"), params, lr)
     if base == "K-FAC":

@@ -228,3 +228,34 @@ def test_sweep_extends_an_edge():
     result = C.sweep(1.0, lambda lr, s: calls.append(lr) or (lr - 30.0) ** 2, [0])
     assert result["lr"] > 10  # moved past the original top edge (10)
     assert len(result["grid"]) == len(calls) > 5
+
+
+def test_float32_muon_is_torch_muon_with_a_float32_newton_schulz():
+    """The figures' Muon is torch.optim.Muon with the Newton-Schulz swapped to float32 for
+    the step: three steps land on the float64 oracle (reference.first_order.muon) to float32
+    precision, where torch's own bf16 iteration is ~1e-3 off, and torch's function is back in
+    place afterwards."""
+    import torch
+    import torch.optim._muon as muon_module
+
+    from figures.registry import Float32Muon
+    from reference.first_order import muon
+
+    original = muon_module._zeropower_via_newtonschulz
+    rng = np.random.default_rng(0)
+    p0, grads = rng.standard_normal((24, 16)), [rng.standard_normal((24, 16)) for _ in range(3)]
+    expected, state = p0.copy(), {}
+    for g in grads:
+        expected = muon(expected, g, state, lr=0.02, weight_decay=0.1)
+    errors = {}
+    for cls in (Float32Muon, torch.optim.Muon):
+        p = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float32))
+        opt = cls([p], lr=0.02, weight_decay=0.1)
+        for g in grads:
+            p.grad = torch.tensor(g, dtype=torch.float32)
+            opt.step()
+        moved = np.abs(expected - p0).max()
+        errors[cls] = np.abs(p.detach().double().numpy() - expected).max() / moved
+    assert muon_module._zeropower_via_newtonschulz is original
+    assert errors[Float32Muon] < 1e-4, errors
+    assert errors[torch.optim.Muon] > 1e-3, errors
