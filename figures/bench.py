@@ -1,6 +1,7 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
     python -m figures.bench [--only mars|mars_m|mkor|hf|memory] [--repeats 9] [--device cpu] [--json PATH]
+        [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
 * ``mars``: one optimizer step (no forward/backward) on a GPT-like parameter list (~30M
   parameters in ~100 tensors: embeddings, attention and MLP matrices, biases, norms) for
@@ -141,10 +142,10 @@ def bench_mars(repeats, device):
     return times, {k: v for k, v in compile_seconds.items() if "compiled" in k}
 
 
-def _compiled_muon(params, **kw):
+def _compiled_muon(params, muon_class=torch.optim.Muon, **kw):
     """torch.compile around ``torch.optim.Muon.step`` (its lr is a float: a schedule would
     recompile, which a fixed-lr benchmark never triggers)."""
-    opt = torch.optim.Muon(params, **kw)
+    opt = muon_class(params, **kw)
     eager_step = opt.step
 
     @torch.compile(fullgraph=False)
@@ -154,19 +155,31 @@ def _compiled_muon(params, **kw):
     return opt
 
 
-def bench_mars_m(repeats, device, **shape):
-    """MARS-M against torch's Muon on the GPT-like list's matrices (both bf16 Newton-Schulz,
-    lr 0.02 with the match_rms_adamw scale, wd 0.1, momentum 0.95)."""
+def bench_mars_m(repeats, device, ns_dtype=torch.bfloat16, compiled=True, **shape):
+    """MARS-M against torch's Muon on the GPT-like list's matrices (lr 0.02 with the
+    match_rms_adamw scale, wd 0.1, momentum 0.95), both with their Newton-Schulz in
+    ``ns_dtype``: bf16 is torch's and the authors'; float32 runs torch's Muon as the figures
+    do (``figures.registry.Float32Muon``: torch's step with torch_impl's float32 iteration),
+    for CPUs without bf16 matrix units, where a bf16 matmul is emulated ~17x slower and the
+    comparison would time the emulation."""
+    from .registry import Float32Muon
+
     wd = 0.1
+    muon_class = {torch.bfloat16: torch.optim.Muon, torch.float32: Float32Muon}[ns_dtype]
     matrices = lambda ps: [p for p in ps if p.ndim == 2]  # noqa: E731
-    muon = dict(lr=0.02, weight_decay=wd, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    muon = dict(lr=0.02, weight_decay=wd, momentum=0.95, adjust_lr_fn="match_rms_adamw",
+                nesterov=False)
+    mars_m = dict(lr=0.02, weight_decay=wd, ns_dtype=ns_dtype)
     steps = {
-        "Muon (torch) eager": lambda ps: torch.optim.Muon(matrices(ps), nesterov=False, **muon),
-        "MARS-M loop": lambda ps: MARSM(matrices(ps), lr=0.02, weight_decay=wd, foreach=False),
-        "MARS-M foreach": lambda ps: MARSM(matrices(ps), lr=0.02, weight_decay=wd, foreach=True),
-        "Muon (torch) compiled": lambda ps: _compiled_muon(matrices(ps), nesterov=False, **muon),
-        "MARS-M compiled": lambda ps: MARSM(matrices(ps), lr=0.02, weight_decay=wd, compiled=True),
+        "Muon (torch) eager": lambda ps: muon_class(matrices(ps), **muon),
+        "MARS-M loop": lambda ps: MARSM(matrices(ps), foreach=False, **mars_m),
+        "MARS-M foreach": lambda ps: MARSM(matrices(ps), foreach=True, **mars_m),
     }
+    if compiled:
+        steps.update({
+            "Muon (torch) compiled": lambda ps: _compiled_muon(matrices(ps), muon_class, **muon),
+            "MARS-M compiled": lambda ps: MARSM(matrices(ps), compiled=True, **mars_m),
+        })
     contenders = {}
     compile_seconds = {}
     for name, make in steps.items():
@@ -178,9 +191,10 @@ def bench_mars_m(repeats, device, **shape):
         contenders[name] = fn
     times = interleaved(contenders, repeats, device, warmup=1)
     ratios = {"eager: best MARS-M eager / Muon eager":
-              min(times["MARS-M loop"], times["MARS-M foreach"]) / times["Muon (torch) eager"],
-              "compiled: MARS-M compiled / Muon compiled":
-              times["MARS-M compiled"] / times["Muon (torch) compiled"]}
+              min(times["MARS-M loop"], times["MARS-M foreach"]) / times["Muon (torch) eager"]}
+    if compiled:
+        ratios["compiled: MARS-M compiled / Muon compiled"] = \
+            times["MARS-M compiled"] / times["Muon (torch) compiled"]
     return times, ratios, {k: v for k, v in compile_seconds.items() if "compiled" in k}
 
 
@@ -275,6 +289,11 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8,
                         help="mars_m only: blocks in the GPT-like list (8: 30.5M parameters)")
     parser.add_argument("--vocab", type=int, default=8192, help="mars_m only: embedding rows")
+    parser.add_argument("--ns-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="mars_m only: Newton-Schulz dtype of both sides (float32 on a "
+                             "CPU without bf16 matrix units)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="mars_m only: eager paths only")
     parser.add_argument("--json", help="also write the JSON document here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -304,13 +323,16 @@ def main(argv=None):
         print("one-time compilation (first step): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
     if args.only in (None, "mars_m"):
-        times, ratios, compile_s = bench_mars_m(args.repeats, device, layers=args.layers,
+        ns_dtype = getattr(torch, args.ns_dtype)
+        times, ratios, compile_s = bench_mars_m(args.repeats, device, ns_dtype,
+                                                not args.no_compile, layers=args.layers,
                                                 vocab=args.vocab)
-        report["mars_m_list"] = dict(layers=args.layers, vocab=args.vocab)
+        report["mars_m_list"] = dict(layers=args.layers, vocab=args.vocab,
+                                     ns_dtype=args.ns_dtype)
         report["mars_m_step_seconds"], report["mars_m_ratios"] = times, ratios
         report["mars_m_compile_seconds"] = compile_s
         print(_table(f"MARS-M vs Muon, the 2-D matrices of the GPT-like list ({args.layers} "
-                     f"blocks, vocab {args.vocab})", times,
+                     f"blocks, vocab {args.vocab}), {args.ns_dtype} Newton-Schulz", times,
                      "Muon (torch) eager"))
         for name, r in ratios.items():
             print(f"{name}: {r:.2f}")

@@ -47,3 +47,13 @@ def test_mars_m_benchmark_runs_on_a_tiny_list():
                            "compiled: MARS-M compiled / Muon compiled"}
     assert all(t > 0 for t in times.values()) and set(compile_s) == {
         "Muon (torch) compiled", "MARS-M compiled"}
+
+
+def test_mars_m_benchmark_eager_float32_on_a_tiny_list():
+    """The eager half of the MARS-M table with both Newton-Schulz iterations in float32
+    (torch's Muon via the figures' Float32Muon), as it runs on a CPU without bf16 units."""
+    times, ratios, compile_s = bench.bench_mars_m(1, torch.device("cpu"), torch.float32,
+                                                  False, vocab=16, d=8, layers=1, ctx=8)
+    assert set(ratios) == {"eager: best MARS-M eager / Muon eager"} and compile_s == {}
+    assert set(times) == {"Muon (torch) eager", "MARS-M loop", "MARS-M foreach"}
+    assert all(t > 0 for t in times.values())
