@@ -24,9 +24,13 @@ T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/mkor/kfac.py"
 R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mkor/hybrid.py"
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
+R_FO, T_LAMB = "reference/first_order.py", "torch_impl/mkor/lamb.py"
+# The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
+_POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
 
 MUTANTS = {
     "K1": [
+        Mutant(R_M, "            if layer.get(\"sgd\", False):", "            if layer.get(\"sgd\", True):"),
         Mutant(T_D, "if reason is None and len(owners.get(id(weight), ())) > 1:",
                "if reason is None and len(owners.get(id(weight), ())) > 2:"),
         Mutant(T_LAYERS, "        return isinstance(module, nn.Linear)\n",
@@ -51,6 +55,16 @@ MUTANTS = {
         Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)"),
         Mutant(T_W, "            self._step_scale = scale\n", "            self._step_scale = 1.0\n",
                tests=("theory_tests/test_mkor_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
+        # Shared by MKOR and K-FAC: both forget the loss scale in their statistics.
+        Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)",
+               also=((T_K, "g_sum * (samples / scale / scale)", "g_sum * samples"),)),
+        # Shared by MKOR and K-FAC (the wrapper): a scale rounded to a power of two, exact for
+        # 2^k, so only a test with another scale (1000, 3.7) can see it.
+        Mutant(T_W, "        self._grad_scale = scale\n", f"        self._grad_scale = {_POW2}\n",
+               also=((T_W, "            self._step_scale = scale\n",
+                      f"            self._step_scale = {_POW2}\n"),)),
+        Mutant(T_P, "(a_sum.to(cd) / a_count, ", "(a_sum.to(cd) / a_count / scale, "),
+        Mutant(T_K, "g_sum * (samples / scale / scale)", "g_sum * (samples / scale)"),
     ],
     "K7": [
         Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
@@ -98,6 +112,24 @@ MUTANTS = {
     "K15": [
         Mutant(T_W, "        self.precondition()\n        self.optimizer.step()\n",
                "        self.precondition()\n"),
+        # LAMB's bias corrections, the same bug in the oracle and the port (a differential
+        # test cannot see it; the closed forms and the Adam-built LAMB can, with weight decay).
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = (m / (1 - b1**(k + 1))) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               also=((T_LAMB, "r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt()",
+                      "r = (m / (1 - beta1 ** (k + 1))) / ((v / (1 - beta2 ** k)).sqrt()"),)),
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = m / (np.sqrt(v / (1 - b2**k)) + eps)",
+               also=((T_LAMB, "r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt()",
+                      "r = m / ((v / (1 - beta2 ** k)).sqrt()"),)),
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = (m / (1 - b1**k)) / (np.sqrt(v) + eps)",
+               also=((T_LAMB, "r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt()",
+                      "r = (m / (1 - beta1 ** k)) / (v.sqrt()"),)),
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = (m / (1 - b1**k)) / np.sqrt(v / (1 - b2**k) + eps)",
+               also=((T_LAMB, "((v / (1 - beta2 ** k)).sqrt() + group[\"eps\"])",
+                      "((v / (1 - beta2 ** k) + group[\"eps\"]).sqrt())"),)),
     ],
     "K2–K14": [
         Mutant(R_M, "            out.append(rescale(delta_W, delta_b, grad_W, grad_b, self.config.rescale))",
@@ -108,11 +140,16 @@ MUTANTS = {
                "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 1.5, s[\"updates_a\"] == 0, flag_a)"),
     ],
     "K16": [
+        Mutant(T_F, "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma)",
+               "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma ** 0.5)"),
         Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)\n    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma)",
                "    denominator = gamma + (1 - gamma) * (v @ Jv)\n    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma ** 0.5)"),
     ],
     "K17": [
         Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))", "    return symmetrise(sherman_morrison(blended, 2 * v))"),
+        # The blend's identity weight 1.5 x 0.05: the spectrum leaves [.., 1] (K17's bound).
+        Mutant(T_F, "    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * _eye_like(J)",
+               "    blended = RELEASED_BLEND * J + 1.5 * (1 - RELEASED_BLEND) * _eye_like(J)"),
     ],
     "K18": [
         Mutant(R_H, "self.slow_checks + 1 if not r_t >= self.threshold else 0",
@@ -124,6 +161,11 @@ MUTANTS = {
                tests=("theory_tests/test_mkor_torch_hybrid.py::test_every_way_of_passing_the_loss_gives_the_same_switch",)),
     ],
     "K19": [
+        # Conv2d's A averaged over samples instead of rows (L = 4 times too large): the MLP
+        # differential test has no Conv2d; the per-sample definition has.
+        Mutant(T_K, "    return flat.T @ flat, n\n",
+               "    return flat.T @ flat, n / layer.type.rows_per_sample(rows.shape[:-1])\n"),
+        Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
         Mutant(R_K, "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + damping)) @ QA.T",
                "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
         Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
@@ -131,6 +173,11 @@ MUTANTS = {
     ],
     "L3.1": [
         Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = gamma - (1 - gamma) * (v @ Jv)"),
+        # The same sign flip in the oracle and the port; and the released step's SM sign.
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = gamma - (1 - gamma) * (v @ Jv)",
+               also=((T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
+                      "    denominator = gamma - (1 - gamma) * torch.dot(v, Jv)"),)),
+        Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
         Mutant(T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
                "    denominator = gamma - (1 - gamma) * torch.dot(v, Jv)",
                tests=("theory_tests/test_mkor_torch_factors.py::test_ema_inverse_update_is_the_inverse_of_the_factor_ema",)),
@@ -217,8 +264,8 @@ MUTANTS = {
     "KT13": [
         Mutant(T_L, "    ok_g, fired_g = update(\"L_inv\", L, g_bar, s[\"updates_g\"] == 0, flag_g)",
                "    ok_g, fired_g = update(\"L_inv\", L, g_bar * 1.001, s[\"updates_g\"] == 0, flag_g)"),
-        Mutant(R_M, "    G_hat = grad_W.reshape(d_out, -1)\n", "    G_hat = grad_W.reshape(d_out, -1) * 1.001\n",
-               equivalent="a uniform scale of G_hat is undone by the norm-preserving rescale"),
+        # Not equivalent: the scale is applied before the bias column is appended.
+        Mutant(R_M, "    G_hat = grad_W.reshape(d_out, -1)\n", "    G_hat = grad_W.reshape(d_out, -1) * 1.001\n"),
     ],
     "KT14": [
         Mutant("torch_impl/mkor/hybrid_switching.py", "        self._state = {}\n        self._switched = True",
@@ -246,6 +293,11 @@ MUTANTS = {
     ],
     "PORT-KFAC-ACCUM": [
         Mutant(R_K, "    g = n * g\n", "    g = g\n", tests=("theory_tests/test_kfac_reference.py",)),
+        # Shared by the oracle and the port: G = sum_i g_i g_i^T, the factor N that undoes the
+        # mean-reduction of the loss forgotten in both.
+        Mutant(R_K, "    g = n * g\n", "    g = g * n ** 0.5\n",
+               also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
+                      "    samples = n / n"),)),
         Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
         Mutant(T_K, "                    s[key] = torch.where(ok, blended, s[key])", "                    s[key] = blended"),
     ],

@@ -133,9 +133,12 @@ def test_identity_factors_return_the_gradient_and_sgd_layers_pass(variant):
         if layer["grad_b"] is not None:
             np.testing.assert_array_equal(out_b, layer["grad_b"])
     # After real factor updates (two: "released" spends its first one on J = I), the
-    # sgd layer is still passed through as is.
+    # sgd layer is still passed through as is; the other layers leave "sgd" to its
+    # default (False), so they are preconditioned.
     for ref.steps in (3, 6):
         layers = random_layers(rng, SPECS)
+        for layer in layers[:2]:
+            del layer["sgd"]
         out = ref.step(layers)
     assert out[2][0] is layers[2]["grad_W"] and out[2][1] is layers[2]["grad_b"]
     assert not np.array_equal(out[0][0], layers[0]["grad_W"])
