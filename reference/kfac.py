@@ -14,21 +14,24 @@ import numpy as np
 from reference.mkor_vectors import _rows
 
 
-def kfac_factors(a_rows, g_rows, has_bias=False):
+def kfac_factors(a_rows, g_rows, has_bias=False, rows_per_sample=1):
     r"""Kronecker factors from one batch (K19, rows as K3).
 
-        A = (1/N) sum_i a_i a_i^T        with a_i = [a_i | 1] when has_bias
-        G = (1/N) sum_i (N g_i)(N g_i)^T
+        A = (1/R) sum_r a_r a_r^T        with a_r = [a_r | 1] when has_bias
+        G = (1/N) sum_r (N g_r)(N g_r)^T = N sum_r g_r g_r^T
 
-    g_rows is the gradient of the mean-reduced loss, so N g_i is per-sample (K3).
-    Leading dimensions are flattened into N rows.
+    over the R rows, N = R / rows_per_sample samples. g_rows is the gradient of the loss
+    averaged over the N samples, so N g_r is a sample's own gradient (K3). Leading dimensions
+    are flattened into rows; a Conv2d contributes its L unfolded patches per sample
+    (``rows_per_sample`` = L), a Linear on (B, T, d) tokens T rows per sample.
     """
     a, g = _rows(a_rows), _rows(g_rows)
-    n = a.shape[0]
+    rows = a.shape[0]
+    samples = rows / rows_per_sample
     if has_bias:
-        a = np.concatenate([a, np.ones((n, 1))], axis=1)
-    g = n * g
-    return a.T @ a / n, g.T @ g / n
+        a = np.concatenate([a, np.ones((rows, 1))], axis=1)
+    g = samples * g
+    return a.T @ a / rows, g.T @ g / samples
 
 
 def ema(old, new, decay):

@@ -57,14 +57,17 @@ MUTANTS = {
                tests=("theory_tests/test_mkor_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
         # Shared by MKOR and K-FAC: both forget the loss scale in their statistics.
         Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)",
-               also=((T_K, "g_sum * (samples / scale / scale)", "g_sum * samples"),)),
+               also=((T_K, "g_sum * samples / scale / scale)", "g_sum * samples)"),)),
         # Shared by MKOR and K-FAC (the wrapper): a scale rounded to a power of two, exact for
         # 2^k, so only a test with another scale (1000, 3.7) can see it.
         Mutant(T_W, "        self._grad_scale = scale\n", f"        self._grad_scale = {_POW2}\n",
                also=((T_W, "            self._step_scale = scale\n",
                       f"            self._step_scale = {_POW2}\n"),)),
         Mutant(T_P, "(a_sum.to(cd) / a_count, ", "(a_sum.to(cd) / a_count / scale, "),
-        Mutant(T_K, "g_sum * (samples / scale / scale)", "g_sum * (samples / scale)"),
+        Mutant(T_K, "g_sum * samples / scale / scale)", "g_sum * samples / scale)"),
+        # The factor N / s^2 rounded to float32 (computed from GradScaler's float32 scale
+        # alone, as the port once did): off by ~7e-8 unless s is a power of two.
+        Mutant(T_K, "g_sum * samples / scale / scale)", "g_sum * (samples / scale / scale))"),
     ],
     "K7": [
         Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
@@ -166,6 +169,11 @@ MUTANTS = {
         Mutant(T_K, "    return flat.T @ flat, n\n",
                "    return flat.T @ flat, n / layer.type.rows_per_sample(rows.shape[:-1])\n"),
         Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
+        # Shared by the oracle and the port: a Conv2d's G scaled by its B L rows instead of
+        # its B samples (the survivor, before the oracle had a Conv2d path).
+        Mutant(R_K, "    samples = rows / rows_per_sample\n", "    samples = rows\n",
+               also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
+                      "    samples = n"),)),
         Mutant(R_K, "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + damping)) @ QA.T",
                "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
         Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
@@ -292,10 +300,10 @@ MUTANTS = {
                equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
     ],
     "PORT-KFAC-ACCUM": [
-        Mutant(R_K, "    g = n * g\n", "    g = g\n", tests=("theory_tests/test_kfac_reference.py",)),
+        Mutant(R_K, "    g = samples * g\n", "    g = g\n", tests=("theory_tests/test_kfac_reference.py",)),
         # Shared by the oracle and the port: G = sum_i g_i g_i^T, the factor N that undoes the
         # mean-reduction of the loss forgotten in both.
-        Mutant(R_K, "    g = n * g\n", "    g = g * n ** 0.5\n",
+        Mutant(R_K, "    g = samples * g\n", "    g = g * samples ** 0.5\n",
                also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
                       "    samples = n / n"),)),
         Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),

@@ -22,7 +22,7 @@ import torch.nn.functional as Fn
 
 from reference import first_order
 from reference.kfac import kfac_factors
-from reference.mkor_vectors import conv2d_rank1_vectors, linear_rank1_vectors
+from reference.mkor_vectors import conv2d_rank1_vectors, linear_rank1_vectors, unfold2d
 from torch_impl.mkor import KFAC, LAMB, MKOR
 
 from test_kfac_torch import Net  # conv(2->3, k3, s2, p1) -> fc(12->5) -> LayerNorm -> out(5->2)
@@ -193,10 +193,9 @@ def test_kfac_factors_match_their_per_sample_definition():
     """The port's first factors (the batch factors) and the oracle's ``kfac_factors`` (fed
     the Linear layers' inputs and mean-loss output gradients) equal A and G built one sample
     at a time. A G scaled by the rows B L of a Conv2d instead of its B samples (L = 4 times
-    too large) fails, as does a G missing the factor N that undoes the mean-reduction.
-
-    The oracle has no Conv2d path (``kfac_factors`` takes rows, N = rows), so only its Linear
-    layers are checked; the port's Conv2d is checked against the per-sample definition."""
+    too large) fails, as does a G missing the factor N that undoes the mean-reduction. The
+    oracle's Conv2d takes the unfolded patches (``unfold2d``, itself checked against an
+    explicit loop in KT8) with ``rows_per_sample`` = L."""
     x, y = _batch(0)
     expected_A, expected_G = _per_sample_factors(_net(), x, y)
     model = _net()
@@ -204,7 +203,7 @@ def test_kfac_factors_match_their_per_sample_definition():
     kfac = KFAC(model, torch.optim.SGD(model.parameters(), lr=0.05), inv_freq=1,
                 kl_clip=None)
     out = model(x)
-    for n in ("fc", "out"):
+    for n in ("conv", "fc", "out"):
         seen["o", n].retain_grad()
     Fn.mse_loss(out, y).backward()
     kfac.step()
@@ -215,6 +214,10 @@ def test_kfac_factors_match_their_per_sample_definition():
         A, G = kfac_factors(seen["a", n].detach().numpy(), seen["o", n].grad.numpy(),
                             has_bias=bias)
         assert _close(A, expected_A[n]) and _close(G, expected_G[n]), n
+    patches = unfold2d(x.numpy(), 3, padding=1, stride=2).transpose(0, 2, 1)  # (B, L, C k k)
+    g_conv = seen["o", "conv"].grad.flatten(2).transpose(1, 2).numpy()      # (B, L, C_out)
+    A, G = kfac_factors(patches, g_conv, has_bias=True, rows_per_sample=patches.shape[1])
+    assert _close(A, expected_A["conv"]) and _close(G, expected_G["conv"]), "conv (oracle)"
 
 
 # --------------------------------------------------------------------- loss scale (K5)
@@ -285,13 +288,10 @@ def test_mkor_vectors_under_a_loss_scale_are_the_unscaled_ones(scale, path):
         assert _close(a_bar, expected_a[n]) and _close(g_bar, expected_g[n]), n
 
 
-# KFAC._batch_factors computes samples / scale / scale with GradScaler's float32 0-d scale
-# tensor, so that factor is rounded to float32 (G off by ~7e-8 relative in float64) unless s
-# is a power of two. Strict: the marks must go once torch_impl/mkor/kfac.py is fixed.
-_F32_SCALE = pytest.mark.xfail(strict=True, reason="K-FAC's G / s^2 under GradScaler is "
-                               "rounded to float32 (torch_impl/mkor/kfac.py::_batch_factors)")
-KFAC_CASES = [(s, "set_grad_scale") for s in SCALES] + [
-    pytest.param(s, "GradScaler", marks=() if s == 1024.0 else _F32_SCALE) for s in SCALES]
+# GradScaler's scale is a float32 0-d tensor: a factor N / s^2 computed from it alone would
+# be rounded to float32 (G off by ~7e-8 relative in float64) unless s is a power of two; the
+# 1000 and 3.7 cases through GradScaler caught exactly that in KFAC._batch_factors.
+KFAC_CASES = [(s, path) for path in ("set_grad_scale", "GradScaler") for s in SCALES]
 
 
 @pytest.mark.parametrize("scale,path", KFAC_CASES)

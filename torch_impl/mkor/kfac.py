@@ -266,7 +266,9 @@ class KFAC(PreconditionedOptimizer):
             stats = self._capture.stats(layer.name)
             if stats is not None:
                 a_sum, a_count, g_sum, samples = stats
-                new.append((layer, a_sum / a_count, g_sum * (samples / scale / scale)))
+                # g_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
+                # number divided by it would round the factor N / s^2 to float32
+                new.append((layer, a_sum / a_count, g_sum * samples / scale / scale))
         self._check_captured(self._layers, bool(new))
         if world_size(self.process_group) == 1 or not self._layers:
             return new
