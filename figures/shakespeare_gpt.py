@@ -26,7 +26,13 @@ BUDGET = {
                  val_windows=4, seeds=2),
     "quick": dict(steps=120, eval_every=20, batch=8, block=64, width=128, depth=4, heads=4,
                   val_windows=64, seeds=3),
-    "full": dict(steps=1000, eval_every=50, batch=32, block=128, width=192, depth=6, heads=6,
+    # Sized to run in about 2.5 hours of this 2-core CPU (issue 14): the quick run costs 0.19
+    # ms of one core per training token (349 s for 30 runs of 61,440 tokens, float32
+    # Newton-Schulz); --full is 10 curves x (7 lrs x 2 tuning seeds + ~2 edge points, in
+    # --jobs 2 subprocesses) + 5 seeds (serial), ~130 run-times of 307,200 tokens (~60 s) plus
+    # evaluation: ~2.3 h. The earlier 1,000 steps of 4,096 tokens at 2.7M parameters was
+    # ~31 CPU-hours and never ran.
+    "full": dict(steps=300, eval_every=25, batch=16, block=64, width=128, depth=4, heads=4,
                  val_windows=256, seeds=5),
 }
 _OFFICIAL, _ADAMW_BETAS = (0.95, 0.99), (0.9, 0.95)
