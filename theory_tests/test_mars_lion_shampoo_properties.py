@@ -17,12 +17,15 @@ unit = st.floats(0.0, 0.95)
 
 # ------------------------------------------------------------------ MT9: MARS-Lion
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 @given(lr=st.floats(1e-3, 1e-1), b1=unit, gamma=st.floats(0.0, 1.0), shape=shape2d,
        log_scale=st.floats(-3, 3), seed=seeds)
-def test_mt9_lion_moves_every_coordinate_by_exactly_lr(lr, b1, gamma, shape, log_scale, seed):
+def test_mt9_lion_moves_every_coordinate_by_exactly_lr(foreach, lr, b1, gamma, shape, log_scale,
+                                                       seed):
     rng = np.random.default_rng(seed)
     params = make_params([shape], seed, bound=1.0)
-    opt = MARS(params, lr=lr, betas=(b1, 0.99), gamma=gamma, mars_type="mars-lion")
+    opt = MARS(params, lr=lr, betas=(b1, 0.99), gamma=gamma, mars_type="mars-lion",
+               foreach=foreach)
     for _ in range(4):
         g = random_grads(rng, [shape], scale=10.0**log_scale)[0]
         g[:, 0] = 0.0  # a coordinate with m = 0 throughout: it must not move

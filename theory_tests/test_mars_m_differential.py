@@ -80,22 +80,25 @@ def test_exact_mode_differs_from_approx_and_clip_matters():
     assert _max_error(ref["efficient"], ref["no-clip"]) < 1e-12  # (M18): the same iterates
 
 
+@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
-def test_authors_exact_loop_equals_closure_exact_mode(foreach):
+def test_authors_exact_loop_equals_closure_exact_mode(foreach, maximize):
     """``train_mars.py``'s scheme: grad on the *next* batch at x_t, ``update_previous_grad``,
     zero_grad, grad on the current batch, ``step()``, zero_grad, ``update_last_grad``.  It
     gives the same iterates as the closure form and the oracle's exact mode (bit for bit
-    against the closure: both feed last_grad = grad f(x_{t-1}, xi_t))."""
-    kw = dict(CASES["exact"], lr=0.03, ns_dtype=torch.float64, foreach=foreach)
+    against the closure: both feed last_grad = grad f(x_{t-1}, xi_t)).  With ``maximize`` the
+    loop runs on -f and must be the minimizing run on f bit for bit (negation is exact)."""
+    kw = dict(CASES["exact"], lr=0.03, ns_dtype=torch.float64, foreach=foreach, maximize=maximize)
+    sign = -1.0 if maximize else 1.0
     xis = batches(N_STEPS + 1)
     params = [torch.nn.Parameter(torch.tensor(x)) for x in initial_params()]
     opt = MARSM(params, **kw)
     xs = [[p.detach().numpy().copy() for p in params]]
     for t in range(N_STEPS):
-        torch_loss(params, xis[t + 1]).backward()  # the next batch at x_t
+        (sign * torch_loss(params, xis[t + 1])).backward()  # the next batch at x_t
         opt.update_previous_grad()
         opt.zero_grad(set_to_none=True)
-        torch_loss(params, xis[t]).backward()
+        (sign * torch_loss(params, xis[t])).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         opt.update_last_grad()

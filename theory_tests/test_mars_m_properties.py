@@ -86,6 +86,18 @@ def test_m17_first_step_is_lr_times_match_rms_scale_times_ns():
         np.testing.assert_allclose(p.detach().numpy(), expected, rtol=0, atol=1e-15)
 
 
+def test_m16_direction_is_cast_before_it_is_normalised_and_stays_in_ns_dtype():
+    """(M16) the authors' order: M is rounded to ``ns_dtype`` first (then transposed and
+    normalised there), and O is returned in ``ns_dtype``: so O depends on M only through its
+    bf16 rounding, bit for bit; MARS's Newton-Schulz normalises in M's dtype and rounds once."""
+    from torch_impl import mars_m_functional as MF
+    M = torch.tensor(np.random.default_rng(0).normal(size=(6, 4)))
+    o = MF.mars_m_direction(M, 5, torch.bfloat16)
+    assert o.dtype == torch.bfloat16 and o.shape == M.shape
+    assert torch.equal(o, MF.mars_m_direction(M.bfloat16().double(), 5, torch.bfloat16))
+    assert torch.isfinite(o).all() and o.abs().max() > 0.1
+
+
 @pytest.mark.parametrize("clip_c", [True, False])
 def test_m15_momentum_norm_bound_and_clip_c(clip_c):
     """With the clip ||M_t||_F <= 1 - beta^t < 1 whatever the gradients; clip_c=False lets

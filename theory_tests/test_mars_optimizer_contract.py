@@ -274,14 +274,16 @@ def test_step_without_any_gradient_is_a_no_op(is_approx):
     assert all(len(st) == 0 for st in opt.state.values())  # no state was created
 
 
+@pytest.mark.parametrize("clip_scope", ["tensor", "global"])
 @pytest.mark.parametrize("is_approx", [True, False], ids=["approx", "exact"])
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
-def test_maximize_equals_minimizing_the_negation(mars_type, is_approx):
+def test_maximize_equals_minimizing_the_negation(mars_type, is_approx, clip_scope):
+    """Also with the global clip, whose joint norm is a first pass over the (negated) g."""
     runs = []
     for maximize, sign in ((True, -1.0), (False, 1.0)):
         params = [torch.nn.Parameter(torch.tensor(x)) for x in initial_params()]
         opt = MARS(params, lr=1e-2, gamma=0.3, mars_type=mars_type, is_approx=is_approx,
-                   maximize=maximize)
+                   maximize=maximize, clip_scope=clip_scope)
         for xi in batches(6):  # negation is exact in IEEE arithmetic: bit-identical
             opt.step(closure_for(opt, params, lambda ps, xi, s=sign: -s * torch_loss(ps, xi), xi))
         runs.append((params, opt))

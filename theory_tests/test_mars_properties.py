@@ -136,6 +136,20 @@ def test_mt3_functional_clip_bound_and_identity_below_one(foreach, shapes, log_s
             assert torch.linalg.vector_norm(clipped) <= 1 + 1e-14
 
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@given(shapes=st.lists(shape2d, min_size=1, max_size=4), log_scales=st.lists(
+    st.floats(-3, 3), min_size=4, max_size=4), seed=seeds)
+def test_mt3_functional_global_clip_divides_by_the_joint_norm(foreach, shapes, log_scales, seed):
+    """``clip_global_``: every c divided by max(1, sqrt(sum ||c_i||^2)), one norm for all."""
+    rng = np.random.default_rng(seed)
+    cs = [g * 10.0**s for g, s in zip(random_grads(rng, shapes), log_scales)]
+    joint = torch.linalg.vector_norm(torch.cat([c.flatten() for c in cs]))
+    ops = FOREACH if foreach else SINGLE
+    out = F.clip_global_([c.clone() for c in cs], [torch.linalg.vector_norm(c) for c in cs], ops)
+    for c, clipped in zip(cs, out):  # the norm's rounding and one division: 1e-14 relative
+        torch.testing.assert_close(clipped, c / joint.clamp(min=1.0), rtol=1e-14, atol=0)
+
+
 def _clip_run(scope, mars_type, b1, gamma, scales, seed, n_steps=6):
     """Run MARS on two matrices, returning per step (g, m_before, m_after) per tensor."""
     rng = np.random.default_rng(seed)

@@ -124,3 +124,48 @@ def test_closed_forms_are_the_stationary_limit_of_the_exact_recursion():
             rec = vr.predicted_error(problem, cfg, BETA_PATH, path, 800)[-1]
             closed = vr.rotation_stationary_error(BETA_PATH, cfg.gamma, cfg.mode, **geometry)
             assert rec == pytest.approx(closed, rel=1e-9), (theta, config_id(cfg))
+
+
+def test_exact_beats_approx_criterion_is_the_sign_of_the_closed_forms():
+    """``exact_beats_approx_on_rotation`` against the two closed forms it summarises
+    (``rotation_stationary_error``, exact minus approx), at random geometries placed within 1%
+    of the threshold tau^2 (d+1) step^2 = 2 (1-beta) V on either side, V = tau^2 (d+1) r^2 +
+    sigma^2 d, and far from it; any gamma > 0 (the bias is the same in both modes)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        beta, gamma = rng.uniform(0.5, 0.99), rng.uniform(0.01, 1.0)
+        d, tau, radius = int(rng.integers(1, 10)), rng.uniform(0.1, 1.0), rng.uniform(0.5, 2.0)
+        sigma = rng.choice([0.0, rng.uniform(0.0, 1.0)])
+        V = tau**2 * (d + 1) * radius**2 + sigma**2 * d
+        step = np.sqrt(2 * (1 - beta) * V / (tau**2 * (d + 1))) * rng.choice([0.99, 1.01, 0.3, 3])
+        kw = dict(lam=1.0, radius=radius, step=step, theta=0.3, sigma=sigma, tau=tau, d=d)
+        diff = (vr.rotation_stationary_error(beta, gamma, "exact", **kw)
+                - vr.rotation_stationary_error(beta, gamma, "approx", **kw))
+        verdict = vr.exact_beats_approx_on_rotation(beta, radius=radius, step=step, sigma=sigma,
+                                                    tau=tau, d=d)
+        assert verdict == (diff < 0), (beta, gamma, d, tau, radius, sigma, step)
+
+
+@pytest.mark.parametrize("sigma, tau", [(1.0, 0.0), (0.5, 0.3)], ids=["additive", "multiplicative"])
+def test_mean_square_rate_is_the_spectral_radius_of_the_moment_map(sigma, tau):
+    """``mean_square_rate`` (a Kronecker-product operator) against the map it stands for,
+    S -> M S M^T + P Q(S) P^T with Q(S) = tau^2 (tr(K S K^T) I + K S K^T) on the non-constant
+    block, applied to every basis matrix and diagonalised; both modes, closed loop."""
+    problem, Q = make_quadratic(log_spaced_spectrum(D, 10.0), sigma=sigma, tau=tau, seed=13)
+    path = vr.ClosedLoop(problem.x_star + Q.sum(axis=1), 0.1)
+    for cfg in (vr.EstimatorConfig(0.5, "exact"), vr.EstimatorConfig(0.5, "approx")):
+        M, P, K = vr._transition(problem, cfg, 0.9, path, first_step=False)
+        n = M.shape[0] - 1
+        M, P, K = M[:n, :n], P[:n], K[:, :n]
+        columns = []
+        for j in range(n * n):
+            S = np.zeros(n * n)
+            S[j] = 1.0
+            S = S.reshape(n, n)
+            KSK = K @ S @ K.T
+            columns.append((M @ S @ M.T + tau**2 * P @ (np.trace(KSK) * np.eye(D) + KSK)
+                            @ P.T).ravel())
+        rate = np.max(np.abs(np.linalg.eigvals(np.array(columns).T)))
+        # two evaluations of one 256 x 256 eigenproblem's radius: rounding-level agreement
+        assert vr.mean_square_rate(problem, cfg, 0.9, path) == pytest.approx(rate, rel=1e-9)
+        assert rate < 1
