@@ -223,6 +223,9 @@ MARS_MUTANTS = {
                "        X = X / torch.linalg.matrix_norm(X, keepdim=True)"),
         Mutant(T_MF, "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)",
                "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=False)"),
+        # the compiled matrix kernel called with one Newton-Schulz step too few
+        Mutant(T_MC, "                kind == M.EFFICIENT, ns_steps, ns_dtype)",
+               "                kind == M.EFFICIENT, ns_steps - 1, ns_dtype)", tests=COMPILED_MARS_M),
     ],
     "M17": [
         Mutant(R_MM, "    return p * (1.0 - lr * weight_decay) - lr * scale * o",
