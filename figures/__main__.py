@@ -18,7 +18,7 @@ import time
 from . import common as C
 
 FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
-           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation")
+           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan")
 
 
 def parse(argv):
@@ -46,7 +46,8 @@ def parse(argv):
     p.add_argument("--jobs", type=int, default=1,
                    help="with --tune or --full: run the lr sweeps in this many subprocesses, "
                         "one curve each at a time (results identical to --jobs 1), then draw "
-                        "the figures with the tuned values")
+                        "the figures with the tuned values; budget_scan runs all its training "
+                        "runs, sweeps included, on this many processes")
     p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -74,6 +75,7 @@ def main(argv=None):
                     progress=not args.no_progress,
                     command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
     ctx.sweep_only = args.sweep_only
+    ctx.jobs = args.jobs  # budget_scan runs its own training runs on this many processes
     how = committed.get("meta", {}).get("how", "missing: grid centres, UNTUNED")
     lr_note = "lr swept now" if tune else f"lr from {tuned_path.name}: {how}"
     print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
@@ -94,7 +96,8 @@ def main(argv=None):
             ctx.swept[task] = entries
             record(task)
         # written now, so the sweeps survive if the figure runs below are cut short
-        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+        if ctx.swept:  # (budget_scan alone sweeps nothing here: it tunes inside its run)
+            write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
         ctx.tune = False  # the figures below use the values just swept
     for name in names:
         t0 = time.perf_counter()

@@ -46,6 +46,7 @@ class Context:
     tune_labels: frozenset = None  # tune only these curve labels (None: all)
     swept: dict = dataclasses.field(default_factory=dict)  # {task: {label: sweep}} this run
     sweep_only: bool = False  # sweep the curves to tune, then stop (no reported runs)
+    jobs: int = 1  # processes of a figure that schedules its own runs (budget_scan)
 
     def seed_list(self, default):
         return list(range(self.seeds if self.seeds else default[self.mode]))
