@@ -17,6 +17,11 @@ import time
 
 from . import common as C
 
+# One core's seconds of each quick figure (measured 2026-12-01 on this 2-core CPU), only to
+# start the slowest first when ``--jobs`` builds figures in parallel.
+QUICK_SECONDS = {"shakespeare_gpt": 350, "budget_scan": 53, "digits_cnn": 45, "mnist1d_mlp": 40,
+                 "bert_mlm": 32, "rank1_approximation": 19, "cost": 13, "noisy_quadratic": 12,
+                 "variance_reduction": 10}
 FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
            "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan")
 
@@ -47,7 +52,8 @@ def parse(argv):
                    help="with --tune or --full: run the lr sweeps in this many subprocesses, "
                         "one curve each at a time (results identical to --jobs 1), then draw "
                         "the figures with the tuned values; budget_scan runs all its training "
-                        "runs, sweeps included, on this many processes")
+                        "runs, sweeps included, on this many processes; without tuning, build "
+                        "the figures in this many subprocesses, slowest first")
     p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -99,6 +105,9 @@ def main(argv=None):
         if ctx.swept:  # (budget_scan alone sweeps nothing here: it tunes inside its run)
             write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
         ctx.tune = False  # the figures below use the values just swept
+    if args.jobs > 1 and not ctx.tune and not args.sweep_only and len(names) > 1:
+        blocked = parallel_figures(args, argv, names)
+        names = ()  # built by the subprocesses; the summary below reads their JSONs
     for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.{name}")
@@ -124,6 +133,46 @@ def main(argv=None):
           f"summary in {ctx.out / 'summary.md'}")
     if blocked:
         sys.exit(f"python -m figures: could not build {', '.join(blocked)}")
+
+
+def parallel_figures(args, argv, names):
+    """Build each figure in its own ``python -m figures --only NAME`` subprocess (the other
+    options as given), ``args.jobs`` at a time, slowest first; each run is seeded, so the
+    outputs are the serial ones (wall-clock aside). Returns the figures that were BLOCKED; any
+    other failure raises with the subprocess's error."""
+    import concurrent.futures
+    import subprocess
+
+    rest = []  # argv without --only NAME / --jobs N
+    skip = 0
+    for i, a in enumerate(argv):
+        if skip:
+            skip -= 1
+        elif a in ("--only", "--jobs"):
+            skip = 1
+        elif not a.startswith(("--only=", "--jobs=")):
+            rest.append(a)
+
+    def build(name):
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "figures", *rest, "--only", name,
+                               "--no-progress"], capture_output=True, text=True)
+        lines = [l for l in done.stdout.splitlines() if l.startswith(f"[{name}]")]
+        if done.returncode != 0 and not any("BLOCKED" in l for l in lines):
+            raise RuntimeError(f"figure {name} failed:\n{done.stderr[-3000:]}")
+        return lines, time.perf_counter() - t0
+
+    order = sorted(names, key=lambda n: -QUICK_SECONDS.get(n, 0))
+    blocked = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(build, n): n for n in order}
+        for future in concurrent.futures.as_completed(futures):
+            lines, seconds = future.result()
+            for line in lines:
+                print(line, flush=True)
+            if any("BLOCKED" in l for l in lines):
+                blocked.append(futures[future])
+    return blocked
 
 
 def parallel_sweeps(args, mode, names):

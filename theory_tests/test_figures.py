@@ -259,3 +259,18 @@ def test_float32_muon_is_torch_muon_with_a_float32_newton_schulz():
     assert muon_module._zeropower_via_newtonschulz is original
     assert errors[Float32Muon] < 1e-4, errors
     assert errors[torch.optim.Muon] > 1e-3, errors
+
+
+def test_parallel_figures_equal_the_serial_ones(tmp_path):
+    """``--jobs 2`` without tuning builds each figure in its own subprocess, slowest first:
+    the CSVs are the serial run's (wall-clock aside) and the summary lists every figure."""
+    base = ["--tiny", "--only", "noisy_quadratic", "--only", "variance_reduction",
+            "--no-progress", "--seeds", "1"]
+    for tag, extra in (("serial", []), ("parallel", ["--jobs", "2"])):
+        cli.main(base + extra + ["--out", str(tmp_path / tag)])
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa
+    for name in ("noisy_quadratic", "variance_reduction"):
+        (_, a), (_, b) = (_read_csv(tmp_path / t / f"{name}.csv") for t in ("serial", "parallel"))
+        assert strip(a) == strip(b), name
+    summary = (tmp_path / "parallel" / "summary.md").read_text()
+    assert summary.count("\n## ") == 2
