@@ -261,16 +261,15 @@ def test_float32_muon_is_torch_muon_with_a_float32_newton_schulz():
     assert errors[torch.optim.Muon] > 1e-3, errors
 
 
-def test_parallel_figures_equal_the_serial_ones(tmp_path):
+def test_parallel_figures_equal_the_serial_ones(tiny_run, tmp_path):
     """``--jobs 2`` without tuning builds each figure in its own subprocess, slowest first:
-    the CSVs are the serial run's (wall-clock aside) and the summary lists every figure."""
-    base = ["--tiny", "--only", "noisy_quadratic", "--only", "variance_reduction",
-            "--no-progress", "--seeds", "1"]
-    for tag, extra in (("serial", []), ("parallel", ["--jobs", "2"])):
-        cli.main(base + extra + ["--out", str(tmp_path / tag)])
+    the CSVs are the serial (``tiny_run``) build's, wall-clock aside, and the summary lists
+    every figure built."""
+    names = ("noisy_quadratic", "variance_reduction")
+    cli.main(["--tiny", "--only", names[0], "--only", names[1], "--no-progress", "--seeds", "2",
+              "--jobs", "2", "--out", str(tmp_path)])
     strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa
-    for name in ("noisy_quadratic", "variance_reduction"):
-        (_, a), (_, b) = (_read_csv(tmp_path / t / f"{name}.csv") for t in ("serial", "parallel"))
+    for name in names:
+        (_, a), (_, b) = (_read_csv(d / f"{name}.csv") for d in (tiny_run, tmp_path))
         assert strip(a) == strip(b), name
-    summary = (tmp_path / "parallel" / "summary.md").read_text()
-    assert summary.count("\n## ") == 2
+    assert (tmp_path / "summary.md").read_text().count("\n## ") == 2
