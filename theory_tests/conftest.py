@@ -4,12 +4,14 @@ Hypothesis profiles (select with ``HYPOTHESIS_PROFILE=<name>``):
 
 * ``fast`` (default): few examples, derandomised, so CI is quick and reproducible.
 * ``thorough``: many examples and a fresh random seed each run, for local hunting.
+* ``mutants``: ``fast`` without the shrink phase, for the mutation harness (a killed mutant
+  needs one failing example, not the smallest one; shrinking cost minutes per mutant).
 """
 import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "fast",
@@ -23,6 +25,11 @@ settings.register_profile(
     max_examples=500,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "mutants",
+    parent=settings.get_profile("fast"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 

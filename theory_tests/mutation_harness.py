@@ -103,7 +103,8 @@ class Workspace:
         self.dir = Path(tempfile.mkdtemp(prefix="mutants-"))
         _copy_project(self.dir)
         self.log = self.dir / "pytest.log"
-        env = dict(os.environ, PYTHONPATH=str(self.dir), PYTHONDONTWRITEBYTECODE="1")
+        env = dict(os.environ, PYTHONPATH=str(self.dir), PYTHONDONTWRITEBYTECODE="1",
+                   HYPOTHESIS_PROFILE="mutants")  # no shrinking: one failing example kills
         # The copy must shadow an editable install of the project: check that it does.
         probe = subprocess.run([sys.executable, "-c", "import torch_impl, reference; "
                                 "print(torch_impl.__file__); print(reference.__file__)"],
