@@ -1,7 +1,6 @@
 """K-FAC baseline (K19): same interface as MKOR, damped-inverse formula, oracle parity."""
 import io
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
