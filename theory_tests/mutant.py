@@ -1,7 +1,7 @@
 """One mutant: an exact text replacement in one file (``old`` occurs there exactly once), or
 several applied together (``also``: a bug shared by the oracle and the port, which a
 differential test cannot see). Lists of them: ``mutants.py`` (MKOR, K-FAC) and
-``mutants_mars.py`` (MARS, MARS-M); the runner: ``mutation_harness.py``."""
+``mutants_mars.py``, ``mutants_mars_properties.py`` (MARS, MARS-M); the runner: ``mutation_harness.py``."""
 from dataclasses import dataclass
 
 __all__ = ["Mutant"]

@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutant import Mutant  # noqa: E402
 from mutants_mars import MARS_MUTANTS  # noqa: E402
+from mutants_mars_properties import MARS_PROPERTY_MUTANTS  # noqa: E402
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -313,8 +314,9 @@ MUTANTS = {
 
 
 # The MARS family's mutants live in their own file (one list per optimizer family).
-assert not set(MARS_MUTANTS) & set(MUTANTS), set(MARS_MUTANTS) & set(MUTANTS)
-MUTANTS.update(MARS_MUTANTS)
+for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS):
+    assert not set(_family) & set(MUTANTS), set(_family) & set(MUTANTS)
+    MUTANTS.update(_family)
 
 
 if __name__ == "__main__":  # python -m theory_tests.mutants [--jobs 2] [--only ID ...]
