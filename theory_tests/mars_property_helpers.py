@@ -83,3 +83,22 @@ def assert_ulp_close(actual, expected, travelled):
 def recovered_c(m_now, m_before, beta1):
     """c~_t from (M4): m_t = beta1 m_{t-1} + (1 - beta1) c~_t."""
     return (m_now - beta1 * m_before) / (1 - beta1)
+
+
+SCALAR_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
+
+
+def spy_on_scalar_reads(monkeypatch):
+    """Patch every tensor-to-Python read (``.item()``, ``bool()``, ...) to record its tensor;
+    returns the list the reads go to (``monkeypatch.undo()`` ends the spying)."""
+    import torch
+
+    reads = []
+    for name in SCALAR_READS:
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            reads.append(self)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return reads

@@ -7,7 +7,8 @@ import io
 import pytest
 import torch
 
-from mars_property_helpers import F64, assert_same_optimizer, clone_params, feed, make_params
+from mars_property_helpers import (F64, assert_same_optimizer, clone_params, feed, make_params,
+                                   spy_on_scalar_reads)
 from torch_impl import MARS_M, MARS_M_Efficient, MARSM
 
 SHAPES = [(6, 4), (5,), (3, 7), (2, 2, 2)]
@@ -187,9 +188,6 @@ def test_checkpoint_with_numeric_step_loads_and_continues():
     assert_same_optimizer(a, opt_a, b, opt_b)
 
 
-SCALAR_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
-
-
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 @pytest.mark.parametrize("kw", [dict(), dict(efficient=True), dict(is_approx=False)],
                          ids=["approx", "efficient", "exact"])
@@ -204,14 +202,7 @@ def test_step_reads_only_cpu_step_counters(kw, foreach, monkeypatch):
         loss.backward()
         return loss
     opt.step(closure)
-    reads = []
-    for name in SCALAR_READS:
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, _original=original, **kwargs):
-            reads.append(self)
-            return _original(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    reads = spy_on_scalar_reads(monkeypatch)
     opt.step(closure)
     monkeypatch.undo()
     counters = [opt.state[p]["step"] for p in params]

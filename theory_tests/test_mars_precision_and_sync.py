@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mars_property_helpers import MARS_TYPES, closure_for, feed, make_params
+from mars_property_helpers import MARS_TYPES, closure_for, feed, make_params, spy_on_scalar_reads
 from torch_impl import MARS
 
 
@@ -48,9 +48,6 @@ def test_low_precision_params(mars_type, dtype, device):
 
 # ------------------------------------------------------------------ no host synchronisation
 
-SCALAR_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
-
-
 def _sync_problem(params):
     x = torch.linspace(-1, 1, params[1].shape[1], dtype=params[0].dtype, device=params[0].device)
     return lambda ps: (ps[0] @ (ps[1] @ x) + ps[2]).square().sum()
@@ -68,14 +65,7 @@ def test_step_reads_only_cpu_step_counters(mars_type, foreach, clip_scope, is_ap
                is_approx=is_approx)
     closure = closure_for(opt, params, _sync_problem(params))
     opt.step(closure)  # creates the state
-    reads = []
-    for name in SCALAR_READS:
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, _original=original, **kwargs):
-            reads.append(self)
-            return _original(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    reads = spy_on_scalar_reads(monkeypatch)
     for _ in range(2):
         opt.step(closure)
     monkeypatch.undo()
