@@ -98,6 +98,8 @@ def test_tuning_writes_the_grid_and_how(tmp_path, offline):
     assert again["tasks_meta"]["noisy_quadratic"]["retuned"][0]["curves"] == ["SGD"]
 
 
+# slow: three subprocess builds (~20 s); the --jobs sweeps of --full runs
+@pytest.mark.slow
 def test_parallel_sweeps_equal_the_serial_ones(tmp_path):
     """``--jobs 2`` runs each curve's sweep in a ``--sweep-only`` subprocess: the grids, scores
     and chosen lrs must be the serial sweep's, and so must every curve point (wall-clock
@@ -261,6 +263,8 @@ def test_float32_muon_is_torch_muon_with_a_float32_newton_schulz():
     assert errors[torch.optim.Muon] > 1e-3, errors
 
 
+# slow: subprocess builds (~10 s); CI's own `python -m figures --jobs 2` runs this path
+@pytest.mark.slow
 def test_parallel_figures_equal_the_serial_ones(tiny_run, tmp_path):
     """``--jobs 2`` without tuning builds each figure in its own subprocess, slowest first:
     the CSVs are the serial (``tiny_run``) build's, wall-clock aside, and the summary lists
