@@ -95,12 +95,8 @@ def _stepper(make, device):
     return opt.step
 
 
-def _compiled_adamw(params, **kw):
-    """torch's recipe for a compiled optimizer step: torch.compile around ``opt.step``, with
-    the learning rate as a tensor (which needs capturable=True) so that a schedule does not
-    recompile."""
-    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-3), foreach=True, capturable=True, **kw)
-
+def _compile_step(opt):
+    """torch's recipe for a compiled optimizer step: torch.compile around ``opt.step``."""
     eager_step = opt.step
 
     @torch.compile(fullgraph=False)
@@ -108,6 +104,13 @@ def _compiled_adamw(params, **kw):
         eager_step()
     opt.step = step
     return opt
+
+
+def _compiled_adamw(params, **kw):
+    """AdamW with the learning rate as a tensor (which needs capturable=True), so that a
+    schedule does not recompile."""
+    return _compile_step(torch.optim.AdamW(params, lr=torch.tensor(1e-3), foreach=True,
+                                           capturable=True, **kw))
 
 
 def bench_mars(repeats, device):
@@ -143,16 +146,9 @@ def bench_mars(repeats, device):
 
 
 def _compiled_muon(params, muon_class=torch.optim.Muon, **kw):
-    """torch.compile around ``torch.optim.Muon.step`` (its lr is a float: a schedule would
-    recompile, which a fixed-lr benchmark never triggers)."""
-    opt = muon_class(params, **kw)
-    eager_step = opt.step
-
-    @torch.compile(fullgraph=False)
-    def step():
-        eager_step()
-    opt.step = step
-    return opt
+    """Muon's step compiled (its lr is a float: a schedule would recompile, which a fixed-lr
+    benchmark never triggers)."""
+    return _compile_step(muon_class(params, **kw))
 
 
 def bench_mars_m(repeats, device, ns_dtype=torch.bfloat16, compiled=True, **shape):
