@@ -17,11 +17,15 @@ import time
 
 from . import common as C
 
-# One core's seconds of each quick figure (measured 2026-12-01 on this 2-core CPU), only to
-# start the slowest first when ``--jobs`` builds figures in parallel.
-QUICK_SECONDS = {"shakespeare_gpt": 350, "budget_scan": 53, "digits_cnn": 45, "mnist1d_mlp": 40,
-                 "bert_mlm": 32, "rank1_approximation": 19, "cost": 13, "noisy_quadratic": 12,
-                 "variance_reduction": 10}
+# Seconds of each quick figure in a clean-clone CI run of ``python -m figures --jobs 2``
+# (2026-12-01, this 2-core CPU), only to start the slowest first when ``--jobs`` builds
+# figures in parallel.
+QUICK_SECONDS = {"shakespeare_gpt": 338, "budget_scan": 65, "mnist1d_mlp": 57, "digits_cnn": 28,
+                 "bert_mlm": 22, "rank1_approximation": 15, "cost": 9, "noisy_quadratic": 8,
+                 "variance_reduction": 6}
+# Figures whose runs are trained in --jobs parts by parallel_figures (every run of theirs goes
+# through common.run_curves): the char-GPT alone would take longer than all the others.
+SPLIT = ("shakespeare_gpt",)
 FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
            "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan")
 
@@ -53,8 +57,14 @@ def parse(argv):
                         "one curve each at a time (results identical to --jobs 1), then draw "
                         "the figures with the tuned values; budget_scan runs all its training "
                         "runs, sweeps included, on this many processes; without tuning, build "
-                        "the figures in this many subprocesses, slowest first")
-    p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
+                        "the figures on this many worker processes, slowest first, the "
+                        "char-GPT's runs split among them")
+    # the --jobs workers' options: sweep only; train part K of N of a figure's runs (saved
+    # to --parts-dir) or draw it from the saved parts; leave summary.md to the parent
+    p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parts-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-summary", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -82,6 +92,10 @@ def main(argv=None):
                     command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
     ctx.sweep_only = args.sweep_only
     ctx.jobs = args.jobs  # budget_scan runs its own training runs on this many processes
+    if args.part:
+        k, n = map(int, args.part.split("/"))
+        ctx.part = (k, n)
+    ctx.parts_dir = pathlib.Path(args.parts_dir) if args.parts_dir else None
     how = committed.get("meta", {}).get("how", "missing: grid centres, UNTUNED")
     lr_note = "lr swept now" if tune else f"lr from {tuned_path.name}: {how}"
     print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
@@ -107,7 +121,7 @@ def main(argv=None):
         ctx.tune = False  # the figures below use the values just swept
     if args.jobs > 1 and not ctx.tune and not args.sweep_only and len(names) > 1:
         blocked = parallel_figures(args, argv, names)
-        names = ()  # built by the subprocesses; the summary below reads their JSONs
+        names = ()  # built by the workers; the summary below reads their JSONs
     for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.{name}")
@@ -115,6 +129,8 @@ def main(argv=None):
             line, _ = module.run(ctx)
         except C.SweepFinished as done:
             line = f"swept {', '.join(done.args[0]) or 'nothing'}"
+        except C.PartFinished as done:
+            line = done.args[0]
         except ModuleNotFoundError as err:  # an optional data package is missing: say so
             line = f"BLOCKED: {err}"
             blocked.append(name)
@@ -123,9 +139,10 @@ def main(argv=None):
             record(name)
     if ctx.swept:
         write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
-    if ctx.sweep_only:
+    if ctx.sweep_only or args.no_summary:
         if blocked:
-            sys.exit(f"python -m figures: could not sweep {', '.join(blocked)}")
+            sys.exit(f"python -m figures: could not {'sweep' if ctx.sweep_only else 'build'} "
+                     f"{', '.join(blocked)}")
         return
     write_summary(ctx.out, C.load_tuned(tuned_path), tune, fallback,
                   (tuned_path.name, other.name))
@@ -136,12 +153,16 @@ def main(argv=None):
 
 
 def parallel_figures(args, argv, names):
-    """Build each figure in its own ``python -m figures --only NAME`` subprocess (the other
-    options as given), ``args.jobs`` at a time, slowest first; each run is seeded, so the
-    outputs are the serial ones (wall-clock aside). Returns the figures that were BLOCKED; any
-    other failure raises with the subprocess's error."""
+    """Build the figures on ``args.jobs`` worker processes, slowest first; a figure in
+    ``SPLIT`` has its runs trained in ``args.jobs`` parts (saved to a temporary folder) and is
+    drawn from them once all are in. Each run is seeded on its own, so the outputs are the
+    serial ones (wall-clock aside). Workers are spawned once each (not one process per figure:
+    each start imports torch, ~5 s of a core). Returns the figures that were BLOCKED; any other
+    failure raises with the worker's error."""
     import concurrent.futures
-    import subprocess
+    import multiprocessing
+    import shutil
+    import tempfile
 
     rest = []  # argv without --only NAME / --jobs N
     skip = 0
@@ -152,27 +173,61 @@ def parallel_figures(args, argv, names):
             skip = 1
         elif not a.startswith(("--only=", "--jobs=")):
             rest.append(a)
-
-    def build(name):
-        t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "figures", *rest, "--only", name,
-                               "--no-progress"], capture_output=True, text=True)
-        lines = [l for l in done.stdout.splitlines() if l.startswith(f"[{name}]")]
-        if done.returncode != 0 and not any("BLOCKED" in l for l in lines):
-            raise RuntimeError(f"figure {name} failed:\n{done.stderr[-3000:]}")
-        return lines, time.perf_counter() - t0
-
-    order = sorted(names, key=lambda n: -QUICK_SECONDS.get(n, 0))
+    rest += ["--no-progress", "--no-summary"]
+    parts_dir = pathlib.Path(tempfile.mkdtemp(prefix="figures-parts-"))
+    n_parts = args.jobs
+    tasks = []  # (seconds, name, extra argv)
+    for name in names:
+        seconds = QUICK_SECONDS.get(name, 0)
+        if name in SPLIT:
+            tasks += [(seconds / n_parts, name, ["--part", f"{k}/{n_parts}"])
+                      for k in range(n_parts)]
+        else:
+            tasks.append((seconds, name, []))
+    tasks.sort(key=lambda t: -t[0])
+    waiting = {name: n_parts for name in names if name in SPLIT}  # parts still running
     blocked = []
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(build, n): n for n in order}
-        for future in concurrent.futures.as_completed(futures):
-            lines, seconds = future.result()
-            for line in lines:
-                print(line, flush=True)
-            if any("BLOCKED" in l for l in lines):
-                blocked.append(futures[future])
+    pool = concurrent.futures.ProcessPoolExecutor(
+        args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        def submit(name, extra):
+            split = ["--parts-dir", str(parts_dir)] if name in SPLIT else []
+            return pool.submit(_build_in_worker, name, [*rest, "--only", name, *split, *extra])
+        pending = {submit(name, extra): (name, extra) for _, name, extra in tasks}
+        while pending:
+            done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+            for future in done:
+                name, extra = pending.pop(future)
+                lines = future.result()
+                if extra:  # a part: draw the figure once every part is saved (or say
+                    waiting[name] -= 1  # BLOCKED, as the parts did)
+                    if waiting[name] == 0:
+                        pending[submit(name, [])] = (name, [])
+                    continue
+                for line in lines:
+                    print(line, flush=True)
+                if any("BLOCKED" in line for line in lines) and name not in blocked:
+                    blocked.append(name)
+    finally:
+        pool.shutdown(cancel_futures=True)
+        shutil.rmtree(parts_dir, ignore_errors=True)
     return blocked
+
+
+def _build_in_worker(name, argv):
+    """One ``python -m figures ARGV`` inside a worker; returns its lines about ``name``."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit as exit:  # BLOCKED: main says so in its lines, then exits non-zero
+            if "BLOCKED" not in out.getvalue():
+                raise RuntimeError(f"python -m figures {' '.join(argv)} exited ({exit.code}):\n"
+                                   f"{out.getvalue()[-3000:]}") from None
+    return [line for line in out.getvalue().splitlines() if line.startswith(f"[{name}]")]
 
 
 def parallel_sweeps(args, mode, names):

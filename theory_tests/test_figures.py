@@ -266,7 +266,7 @@ def test_float32_muon_is_torch_muon_with_a_float32_newton_schulz():
 # slow: subprocess builds (~10 s); CI's own `python -m figures --jobs 2` runs this path
 @pytest.mark.slow
 def test_parallel_figures_equal_the_serial_ones(tiny_run, tmp_path):
-    """``--jobs 2`` without tuning builds each figure in its own subprocess, slowest first:
+    """``--jobs 2`` without tuning builds the figures on two worker processes, slowest first:
     the CSVs are the serial (``tiny_run``) build's, wall-clock aside, and the summary lists
     every figure built."""
     names = ("noisy_quadratic", "variance_reduction")

