@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 import shlex
+import shutil
 import sys
 import time
 
@@ -55,16 +56,19 @@ def parse(argv):
     p.add_argument("--jobs", type=int, default=1,
                    help="with --tune or --full: run the lr sweeps in this many subprocesses, "
                         "one curve each at a time (results identical to --jobs 1), then draw "
-                        "the figures with the tuned values; budget_scan runs all its training "
+                        "the figures with the tuned values (the char-GPT's reported runs "
+                        "trained in this many parts); budget_scan runs all its training "
                         "runs, sweeps included, on this many processes; without tuning, build "
                         "the figures on this many worker processes, slowest first, the "
                         "char-GPT's runs split among them")
     # the --jobs workers' options: sweep only; train part K of N of a figure's runs (saved
-    # to --parts-dir) or draw it from the saved parts; leave summary.md to the parent
+    # to --parts-dir) or draw it from the saved parts; leave summary.md to the parent; read
+    # the lrs from the tuned JSON even with --full (the parent swept them)
     p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--parts-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-summary", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-tune", action="store_true", help=argparse.SUPPRESS)  # parent swept
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -76,7 +80,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     mode = "tiny" if args.tiny else "full" if args.full else "quick"
-    tune = args.tune or args.full
+    tune = (args.tune or args.full) and not args.no_tune
     own, other = C.tuned_paths(mode)
     tuned_path = pathlib.Path(args.tuned_json or own)
     fallback = {} if args.tuned_json else C.load_tuned(other)
@@ -119,12 +123,17 @@ def main(argv=None):
         if ctx.swept:  # (budget_scan alone sweeps nothing here: it tunes inside its run)
             write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
         ctx.tune = False  # the figures below use the values just swept
-    if args.jobs > 1 and not ctx.tune and not args.sweep_only and len(names) > 1:
-        blocked = parallel_figures(args, argv, names)
-        names = ()  # built by the workers; the summary below reads their JSONs
+    parts = {}  # {figure: folder of its runs, trained in parts by the --jobs workers}
+    if args.jobs > 1 and not args.sweep_only:
+        if not tune and len(names) > 1:
+            blocked = parallel_figures(args, argv, names)
+            names = ()  # built by the workers; the summary below reads their JSONs
+        elif tune and any(n in SPLIT for n in names):  # the reported runs, after the sweeps
+            parts = parallel_parts(args, argv, [n for n in names if n in SPLIT])
     for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.{name}")
+        ctx.parts_dir = parts.get(name, ctx.parts_dir)
         try:
             line, _ = module.run(ctx)
         except C.SweepFinished as done:
@@ -139,6 +148,8 @@ def main(argv=None):
             record(name)
     if ctx.swept:
         write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+    for folder in parts.values():
+        shutil.rmtree(folder, ignore_errors=True)
     if ctx.sweep_only or args.no_summary:
         if blocked:
             sys.exit(f"python -m figures: could not {'sweep' if ctx.sweep_only else 'build'} "
@@ -152,31 +163,32 @@ def main(argv=None):
         sys.exit(f"python -m figures: could not build {', '.join(blocked)}")
 
 
-def parallel_figures(args, argv, names):
-    """Build the figures on ``args.jobs`` worker processes, slowest first; a figure in
-    ``SPLIT`` has its runs trained in ``args.jobs`` parts (saved to a temporary folder) and is
-    drawn from them once all are in. Each run is seeded on its own, so the outputs are the
-    serial ones (wall-clock aside). Workers are spawned once each (not one process per figure:
-    each start imports torch, ~5 s of a core). Returns the figures that were BLOCKED; any other
-    failure raises with the worker's error."""
-    import concurrent.futures
-    import multiprocessing
-    import shutil
-    import tempfile
-
-    rest = []  # argv without --only NAME / --jobs N
-    skip = 0
-    for i, a in enumerate(argv):
+def _worker_argv(argv):
+    """``argv`` without --only NAME / --jobs N, plus what every worker runs with."""
+    rest, skip = [], 0
+    for a in argv:
         if skip:
             skip -= 1
         elif a in ("--only", "--jobs"):
             skip = 1
         elif not a.startswith(("--only=", "--jobs=")):
             rest.append(a)
-    rest += ["--no-progress", "--no-summary"]
-    parts_dir = pathlib.Path(tempfile.mkdtemp(prefix="figures-parts-"))
-    n_parts = args.jobs
-    tasks = []  # (seconds, name, extra argv)
+    return rest + ["--no-progress", "--no-summary"]
+
+
+def _workers(jobs):
+    """``jobs`` spawned worker processes (each imports torch once, ~5 s of a core)."""
+    import concurrent.futures
+    import multiprocessing
+
+    return concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _part_tasks(names, n_parts):
+    """(seconds, name, extra argv) of each figure, a figure of ``SPLIT`` as ``n_parts``
+    tasks, slowest first."""
+    tasks = []
     for name in names:
         seconds = QUICK_SECONDS.get(name, 0)
         if name in SPLIT:
@@ -184,16 +196,29 @@ def parallel_figures(args, argv, names):
                       for k in range(n_parts)]
         else:
             tasks.append((seconds, name, []))
-    tasks.sort(key=lambda t: -t[0])
-    waiting = {name: n_parts for name in names if name in SPLIT}  # parts still running
+    return sorted(tasks, key=lambda t: -t[0])
+
+
+def parallel_figures(args, argv, names):
+    """Build the figures on ``args.jobs`` worker processes, slowest first; a figure in
+    ``SPLIT`` has its runs trained in ``args.jobs`` parts (saved to a temporary folder) and is
+    drawn from them once all are in. Each run is seeded on its own, so the outputs are the
+    serial ones (wall-clock aside). Workers are spawned once each, not one process per figure.
+    Returns the figures that were BLOCKED; any other failure raises with the worker's error."""
+    import concurrent.futures
+    import tempfile
+
+    rest = _worker_argv(argv)
+    parts_dir = pathlib.Path(tempfile.mkdtemp(prefix="figures-parts-"))
+    waiting = {name: args.jobs for name in names if name in SPLIT}  # parts still running
     blocked = []
-    pool = concurrent.futures.ProcessPoolExecutor(
-        args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = _workers(args.jobs)
     try:
         def submit(name, extra):
             split = ["--parts-dir", str(parts_dir)] if name in SPLIT else []
             return pool.submit(_build_in_worker, name, [*rest, "--only", name, *split, *extra])
-        pending = {submit(name, extra): (name, extra) for _, name, extra in tasks}
+        pending = {submit(name, extra): (name, extra)
+                   for _, name, extra in _part_tasks(names, args.jobs)}
         while pending:
             done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
             for future in done:
@@ -212,6 +237,27 @@ def parallel_figures(args, argv, names):
         pool.shutdown(cancel_futures=True)
         shutil.rmtree(parts_dir, ignore_errors=True)
     return blocked
+
+
+def parallel_parts(args, argv, names):
+    """With tuning, after the sweeps: train the reported runs of each ``SPLIT`` figure in
+    ``args.jobs`` parts on worker processes, at the lrs just written to the tuned JSON
+    (``--no-tune``). Returns {figure: folder of its saved parts}; the caller draws the
+    figures from them and removes the folders."""
+    import tempfile
+
+    rest = _worker_argv(argv) + ["--no-tune"]
+    folders = {name: pathlib.Path(tempfile.mkdtemp(prefix=f"figures-parts-{name}-"))
+               for name in names}
+    with _workers(args.jobs) as pool:
+        futures = [pool.submit(_build_in_worker, name,
+                               [*rest, "--only", name, "--parts-dir", str(folders[name]),
+                                *extra])
+                   for _, name, extra in _part_tasks(names, args.jobs)]
+        for future in futures:
+            for line in future.result():
+                print(line, flush=True)
+    return folders
 
 
 def _build_in_worker(name, argv):
@@ -235,7 +281,6 @@ def parallel_sweeps(args, mode, names):
     ``python -m figures --sweep-only`` subprocess, ``args.jobs`` at a time. The sweeps are
     the serial ones (same grids, tuning seeds and scores); returns {task: {label: sweep}}."""
     import concurrent.futures
-    import shutil
     import subprocess
     import tempfile
 

@@ -88,3 +88,20 @@ def test_jobs_build_with_a_split_figure_equals_the_serial_one(serial, tmp_path):
               "--no-progress", "--jobs", "2", "--out", str(tmp_path)])
     assert _rows(tmp_path / f"{GPT}.csv") == _rows(serial / f"{GPT}.csv")
     assert (tmp_path / "summary.md").read_text().count("\n## ") == 2
+
+
+# slow: sweeps in subprocesses, then the parts on spawned workers (~40 s)
+@pytest.mark.slow
+def test_full_style_jobs_train_the_reported_runs_in_parts_after_the_sweeps(tmp_path,
+                                                                          capsys):
+    """With tuning (``--tune``, as ``--full`` does) and ``--jobs 2``: the sweeps run in
+    subprocesses, then the char-GPT's reported runs in 2 parts at the lrs just swept, and the
+    figure drawn from them is the serial run's, sweep rows included."""
+    for tag, extra in (("serial", []), ("jobs", ["--jobs", "2"])):
+        _build(tmp_path / tag, "--tune", "--tune-curves", "AdamW", "--tuned-json",
+               str(tmp_path / f"{tag}.json"), *extra)
+        if extra:
+            printed = capsys.readouterr().out
+            assert f"[{GPT}] part 1 of 2" in printed and f"[{GPT}] part 2 of 2" in printed
+    assert _rows(tmp_path / "jobs" / f"{GPT}.csv") == _rows(tmp_path / "serial" / f"{GPT}.csv")
+    assert any(r["metric"] == "tuning_val_loss" for r in _rows(tmp_path / "jobs" / f"{GPT}.csv"))
