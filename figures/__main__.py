@@ -346,8 +346,9 @@ def _lr_paragraph(tuned, tuned_now, fallback, names):
 
 
 def write_summary(out, tuned, tuned_now, fallback=None,
-                  names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name)):
-    """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others)."""
+                  names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name), lr_text=None):
+    """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others);
+    ``lr_text`` replaces the paragraph on learning rates (a redraw keeps the old one)."""
     out = pathlib.Path(out)
     metas = [json.loads((out / f"{n}.json").read_text()) for n in FIGURES
              if (out / f"{n}.json").exists()]
@@ -356,7 +357,7 @@ def write_summary(out, tuned, tuned_now, fallback=None,
              "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
              "steps it needs to reach the reference's final value (the papers' headline "
              "metric; '—' = not reached within the budget).", "",
-             _lr_paragraph(tuned, tuned_now, fallback, names), ""]
+             lr_text or _lr_paragraph(tuned, tuned_now, fallback, names), ""]
     for m in metas:
         lines += [f"## {m.get('task_title', m['figure'])}", "",
                   f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]

@@ -29,7 +29,9 @@ This figure always sweeps (``--tune`` and the tuned-lr JSONs play no part in it)
 L(first) - L(second) over the reported seeds, signed so that a positive value favours MARS
 (or the variance-reduced / official setting): MARS-AdamW vs AdamW, L(AdamW) - L(MARS-AdamW);
 variance reduction at the official betas, L(gamma=0) - L(gamma=0.025); the betas at
-gamma=0.025, L(AdamW's betas) - L(official); MARS-M vs AdamW, L(AdamW) - L(MARS-M). The 95 %
+gamma=0.025, L(AdamW's betas) - L(official); MARS-M vs AdamW, L(AdamW) - L(MARS-M); MARS-AdamW
+at gamma=0 vs AdamW, L(AdamW) - L(gamma=0), what is left of the first effect without the
+variance reduction (per seed, the first effect is exactly this one plus the second). The 95 %
 interval is the paired t interval mean(d) -+ t_{0.975, n-1} sd(d)/sqrt(n) of the per-seed
 differences d (seed s gives both settings the same initial weights and the same batches);
 Welch's unpaired interval is in the JSON too. An effect is positive (negative) at a budget when
@@ -49,10 +51,18 @@ speed; every grid widened the most, 3 points, would add 225 U: 3.1 h). Quick mod
 miniature (width 32, depth 1, context 32, batch 8; two budgets, 64 and 256 steps: a 4x range,
 not 8x; 3 points at the first budget, at most 2 widenings; 3 reported seeds), about 55 s on
 one core; it checks that the scan builds, its budgets are too short to answer the question.
+
+**Redrawing** (``python -m figures.budget_scan --redraw DIR/budget_scan.json``). The effects
+are functions of the finals alone, so a change to ``EFFECTS`` needs no retraining: this
+recomputes the effects, their verdict notes, the PNG and the folder's ``summary.md`` from a
+saved JSON, and records the redraw in it; the CSV, sweeps and finals stay as trained.
 """
+import argparse
 import concurrent.futures
 import functools
+import json
 import multiprocessing
+import pathlib
 import time
 
 import numpy as np
@@ -91,6 +101,10 @@ EFFECTS = [
     ("betas at γ=0.025: L(0.9,0.95) − L(0.95,0.99)", "official betas", MARS_ADAMW_BETAS.label,
      MARS.label),
     ("MARS-M vs AdamW: L(AdamW) − L(MARS-M)", "MARS-M", ADAMW.label, MARS_M.label),
+    # per seed, the first effect is this one plus the variance reduction's, exactly: it says
+    # how much of MARS-AdamW's lead remains without the variance reduction
+    ("MARS-AdamW γ=0 vs AdamW: L(AdamW) − L(γ=0)", "γ=0 at official betas", ADAMW.label,
+     MARS_G0.label),
 ]
 
 
@@ -294,7 +308,7 @@ def draw(specs, sweeps, finals, table, tokens, n_par, b, seeds):
                           alpha=0.4)
     for j, (name, _, _, _) in enumerate(EFFECTS):
         rows = [r for r in table if r["effect"] == name]
-        x = [r["tokens"] * 2 ** (0.08 * (j - 1.5)) for r in rows]
+        x = [r["tokens"] * 2 ** (0.08 * (j - (len(EFFECTS) - 1) / 2)) for r in rows]
         y = np.array([r["diff"] for r in rows])
         err = np.array([[r["diff"] - r["lo"] for r in rows], [r["hi"] - r["diff"] for r in rows]])
         ax_eff.errorbar(x, y, yerr=np.nan_to_num(err), marker="o", ms=3, capsize=2, label=name)
@@ -314,3 +328,45 @@ def draw(specs, sweeps, finals, table, tokens, n_par, b, seeds):
                  f"batch {b['batch']}; every curve lr-tuned at every budget; {len(seeds)} "
                  f"reported seeds)", fontsize=9)
     return fig
+
+
+# ------------------------------------------------------------------ redrawing a saved scan
+_VERDICT_MARK = " (paired 95 % t intervals, nats: "  # in every verdict line, in no other note
+
+
+def redraw(path):
+    """Recompute effects, verdict notes, PNG and summary.md from the saved JSON at ``path``."""
+    from .__main__ import write_summary
+
+    path = pathlib.Path(path)
+    meta = json.loads(path.read_text())
+    if meta.get("figure") != NAME:
+        raise ValueError(f"{path} is not a {NAME} JSON (its figure is {meta.get('figure')!r})")
+    tokens = [x["tokens"] for x in meta["budgets"]]
+    table = effect_table(meta["finals"], tokens)
+    notes = meta["notes"]
+    at = next((i for i, n in enumerate(notes) if _VERDICT_MARK in n), len(notes))
+    kept = [n for n in notes if _VERDICT_MARK not in n]
+    meta["notes"] = kept[:at] + verdict_lines(table) + kept[at:]
+    meta["effects"] = table
+    meta["redrawn"] = dict(
+        date=C.stamp(), command=f"python -m figures.budget_scan --redraw {path}",
+        what="effects, their verdict notes and the PNG recomputed from this JSON's finals; "
+             "CSV, sweeps and finals as trained")
+    fig = draw(meta["sweeps"], meta["sweeps"], meta["finals"], table, tokens, meta["params"],
+               meta["budget"], meta["seeds"])
+    fig.savefig(path.with_suffix(".png"), dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    path.write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    summary = path.parent / "summary.md"
+    old = summary.read_text().splitlines() if summary.exists() else []
+    lr_text = next((line for line in old if line.startswith("**Learning rates.**")), None)
+    write_summary(path.parent, None, False, lr_text=lr_text)  # no lr was swept: keep its text
+    return meta
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(prog="python -m figures.budget_scan", description=redraw.__doc__)
+    cli.add_argument("--redraw", required=True, metavar="JSON", help="a saved budget_scan.json")
+    redraw(cli.parse_args().redraw)

