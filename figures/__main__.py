@@ -156,8 +156,8 @@ def main(argv=None):
             sys.exit(f"python -m figures: could not {'sweep' if ctx.sweep_only else 'build'} "
                      f"{', '.join(blocked)}")
         return
-    write_summary(ctx.out, C.load_tuned(tuned_path), tune, fallback,
-                  (tuned_path.name, other.name))
+    write_summary(ctx.out, C.load_tuned(tuned_path), sorted(ctx.swept) if tune else [],
+                  fallback, (tuned_path.name, other.name))
     print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
           f"summary in {ctx.out / 'summary.md'}")
     if blocked:
@@ -326,15 +326,20 @@ def _tuning_modes(tuned):
                     for mode, tasks in sorted(by_mode.items()))
 
 
-def _lr_paragraph(tuned, tuned_now, fallback, names):
-    """The summary's paragraph on where the learning rates came from."""
-    if tuned_now:
-        return "**Learning rates.** Swept by this run."
+def _lr_paragraph(tuned, swept_now, fallback, names):
+    """The summary's paragraph on where the learning rates came from. ``swept_now``: the
+    tasks this run swept; the folder may hold other figures from earlier runs (``--only``),
+    whose lrs the tuned JSONs account for."""
+    head = ["**Learning rates.**"]
+    if swept_now:
+        head.append(f"Swept by this run: {', '.join(f'`{t}`' for t in sorted(swept_now))} "
+                    f"(written to `{names[0]}`).")
     files = [(name, record) for name, record in zip(names, (tuned, fallback)) if record]
     if not files:
-        return ("**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran "
-                "at its grid centre.")
-    text = ["**Learning rates.** Each budget keeps its own sweeps (quick mode reads "
+        return " ".join(head) if swept_now else (
+            "**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran at "
+            "its grid centre.")
+    text = head + ["Each budget keeps its own sweeps (quick mode reads "
             "`figures/tuned_lr.json`, `--full` reads `figures/tuned_lr_full.json`); a curve "
             "missing from one takes the other's value, and the lr source column says which "
             "budget each curve's lr was tuned at."]
@@ -345,7 +350,7 @@ def _lr_paragraph(tuned, tuned_now, fallback, names):
     return " ".join(text)
 
 
-def write_summary(out, tuned, tuned_now, fallback=None,
+def write_summary(out, tuned, swept_now, fallback=None,
                   names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name), lr_text=None):
     """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others);
     ``lr_text`` replaces the paragraph on learning rates (a redraw keeps the old one)."""
@@ -357,7 +362,7 @@ def write_summary(out, tuned, tuned_now, fallback=None,
              "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
              "steps it needs to reach the reference's final value (the papers' headline "
              "metric; '—' = not reached within the budget).", "",
-             lr_text or _lr_paragraph(tuned, tuned_now, fallback, names), ""]
+             lr_text or _lr_paragraph(tuned, swept_now, fallback, names), ""]
     for m in metas:
         lines += [f"## {m.get('task_title', m['figure'])}", "",
                   f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]

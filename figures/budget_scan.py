@@ -362,7 +362,7 @@ def redraw(path):
     summary = path.parent / "summary.md"
     old = summary.read_text().splitlines() if summary.exists() else []
     lr_text = next((line for line in old if line.startswith("**Learning rates.**")), None)
-    write_summary(path.parent, None, False, lr_text=lr_text)  # no lr was swept: keep its text
+    write_summary(path.parent, None, [], lr_text=lr_text)  # no lr was swept: keep its text
     return meta
 
 

@@ -137,6 +137,22 @@ def test_summary_names_the_budget_each_task_was_tuned_at():
     assert text == "Swept at the full budget: `a`, `c`. Swept at the quick budget: `b`."
 
 
+def test_the_lr_paragraph_names_this_runs_sweeps_and_the_earlier_ones():
+    """An ``--only`` run sweeps one task; the folder's other figures keep their earlier lrs,
+    which the tuned JSON (rewritten with this run's sweeps) accounts for."""
+    record = {"meta": {"date": "D", "how": "H"},
+              "tasks_meta": {"gpt": {"mode": "full"}, "bert": {"mode": "full"}}}
+    names = ("tuned_lr_full.json", "tuned_lr.json")
+    text = cli._lr_paragraph(record, ["gpt"], None, names)
+    assert text.startswith("**Learning rates.** Swept by this run: `gpt` (written to "
+                           "`tuned_lr_full.json`). Each budget keeps its own sweeps")
+    assert "Swept at the full budget: `bert`, `gpt`." in text and text.endswith("How: H.")
+    assert "Swept by this run" not in cli._lr_paragraph(record, [], None, names)
+    assert cli._lr_paragraph(None, [], None, names).startswith("**Learning rates.** UNTUNED")
+    assert cli._lr_paragraph(None, ["gpt"], None, names) == (
+        "**Learning rates.** Swept by this run: `gpt` (written to `tuned_lr_full.json`).")
+
+
 def test_each_budget_reads_its_own_sweeps_and_falls_back_to_the_other():
     """Quick mode reads tuned_lr.json, --full tuned_lr_full.json; a curve one lacks takes the
     other's lr, and the lr source says which budget it was tuned at."""
