@@ -353,11 +353,9 @@ def redraw(path):
         date=C.stamp(), command=f"python -m figures.budget_scan --redraw {path}",
         what="effects, their verdict notes and the PNG recomputed from this JSON's finals; "
              "CSV, sweeps and finals as trained")
-    fig = draw(meta["sweeps"], meta["sweeps"], meta["finals"], table, tokens, meta["params"],
-               meta["budget"], meta["seeds"])
-    fig.savefig(path.with_suffix(".png"), dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-    plt.close(fig)
+    labels = list(meta["sweeps"])  # draw() needs only the curves' labels, in order
+    C.save_png(draw(labels, meta["sweeps"], meta["finals"], table, tokens, meta["params"],
+                    meta["budget"], meta["seeds"]), path.with_suffix(".png"))
     path.write_text(json.dumps(meta, indent=1, default=str) + "\n")
     summary = path.parent / "summary.md"
     old = summary.read_text().splitlines() if summary.exists() else []

@@ -316,6 +316,13 @@ def versions():
     return out
 
 
+def save_png(fig, path):
+    """The figure at 100 dpi, closed after (matplotlib keeps open figures alive)."""
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
 def write_outputs(ctx, name, rows, fig, meta):
     """NAME.csv, NAME.png (100 dpi) and NAME.json (command, versions, budget, summary)."""
     out = pathlib.Path(ctx.out)
@@ -324,9 +331,7 @@ def write_outputs(ctx, name, rows, fig, meta):
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    fig.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-    plt.close(fig)
+    save_png(fig, out / f"{name}.png")
     meta = dict(figure=name, mode=ctx.mode, command=ctx.command, device=ctx.device,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
                 versions=versions(), **meta)
