@@ -340,9 +340,9 @@ def _lr_paragraph(tuned, swept_now, fallback, names):
             "**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran at "
             "its grid centre.")
     text = head + ["Each budget keeps its own sweeps (quick mode reads "
-            "`figures/tuned_lr.json`, `--full` reads `figures/tuned_lr_full.json`); a curve "
-            "missing from one takes the other's value, and the lr source column says which "
-            "budget each curve's lr was tuned at."]
+                   "`figures/tuned_lr.json`, `--full` reads `figures/tuned_lr_full.json`); a "
+                   "curve missing from one takes the other's value, and the lr source column "
+                   "says which budget each curve's lr was tuned at."]
     for i, (name, record) in enumerate(files):
         text.append(f"{'Read' if i == 0 else 'Fallback'}: `{name}` ({record['meta']['date']}). "
                     + _tuning_modes(record))
