@@ -58,17 +58,17 @@ MUTANTS = {
                tests=("theory_tests/test_mkor_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
         # Shared by MKOR and K-FAC: both forget the loss scale in their statistics.
         Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)",
-               also=((T_K, "g_sum * samples / scale / scale)", "g_sum * samples)"),)),
+               also=((T_K, "s_sum * samples / scale / scale, present)", "s_sum * samples, present)"),)),
         # Shared by MKOR and K-FAC (the wrapper): a scale rounded to a power of two, exact for
         # 2^k, so only a test with another scale (1000, 3.7) can see it.
         Mutant(T_W, "        self._grad_scale = scale\n", f"        self._grad_scale = {_POW2}\n",
                also=((T_W, "            self._step_scale = scale\n",
                       f"            self._step_scale = {_POW2}\n"),)),
-        Mutant(T_P, "(a_sum.to(cd) / a_count, ", "(a_sum.to(cd) / a_count / scale, "),
-        Mutant(T_K, "g_sum * samples / scale / scale)", "g_sum * samples / scale)"),
+        Mutant(T_P, "out[layer.name] = (a_sum.to(cd), rows, ", "out[layer.name] = (a_sum.to(cd) / scale, rows, "),
+        Mutant(T_K, "s_sum * samples / scale / scale, present)", "s_sum * samples / scale, present)"),
         # The factor N / s^2 rounded to float32 (computed from GradScaler's float32 scale
         # alone, as the port once did): off by ~7e-8 unless s is a power of two.
-        Mutant(T_K, "g_sum * samples / scale / scale)", "g_sum * (samples / scale / scale))"),
+        Mutant(T_K, "s_sum * samples / scale / scale, present)", "s_sum * (samples / scale / scale), present)"),
     ],
     "K7": [
         Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
@@ -293,11 +293,14 @@ MUTANTS = {
                "self.has_bias = module.bias is not None"),
     ],
     "PORT-PAIRING": [
-        Mutant(T_C, "        if st.g_sum is not None and layer.module.weight.grad is None:", "        if False:"),
+        Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
+               "        if False:\n            # the gradient"),
+        Mutant(T_C, "        if st.settled and self._layer(name).module.weight.grad is None:",
+               "        if False:"),
         Mutant(T_V, "    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()",
                "    return rows.sum(dim=lead), mask.sum()"),
-        Mutant(T_C, "            self._commit(layer, a_stat, mask, to_rows(grad))",
-               "            self._commit(layer, a_stat, None, to_rows(grad))",
+        Mutant(T_C, "                self._commit(layer, a_stat, mask, grad_rows(grad))",
+               "                self._commit(layer, a_stat, None, grad_rows(grad))",
                equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
     ],
     "PORT-KFAC-ACCUM": [
@@ -308,7 +311,7 @@ MUTANTS = {
                also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
                       "    samples = n / n"),)),
         Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
-        Mutant(T_K, "                    s[key] = torch.where(ok, blended, s[key])", "                    s[key] = blended"),
+        Mutant(T_K, "                s[key] = torch.where(ok, blended, s[key])", "                s[key] = blended"),
     ],
 }
 

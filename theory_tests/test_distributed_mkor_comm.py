@@ -188,7 +188,7 @@ def _overflow(rank, world):
                 comm_dtype="float16")
     (model(torch.ones(4, 3)).sum() * 1e6).backward()
     mkor.step()
-    return mkor.counters()[""]["skipped"].item(), mkor.inverse_factors()[""]
+    return mkor.counters()[""]["non_finite"].item(), mkor.inverse_factors()[""]
 
 
 def _losses(rank, t):
@@ -232,30 +232,47 @@ def test_float16_overflow_skips_the_update_instead_of_corrupting_factors(comm_ra
         assert torch.isfinite(R).all() and not torch.equal(R, torch.eye(4))
 
 
-def test_a_layer_some_ranks_lack_is_averaged_over_the_ranks_that_have_it(comm_ranks):
-    """The branch's factors equal a single process fed rank 0's data (count 1, not P),
-    with and without a bias; a layer no rank ran keeps I and counts no update."""
+def test_a_layer_some_ranks_lack_gets_the_union_of_the_ranks_rows(comm_ranks):
+    """Only rank 0 runs the branch: its factors equal one process on the union of the two
+    ranks' batches (rank 0's call with the branch, rank 1's without, the loss averaged over
+    the ranks as DDP averages gradients), so a_bar is the mean over rank 0's rows and g_bar
+    is half rank 0's sum; with and without a bias. A layer no rank ran keeps I and counts
+    one "no rows" per factor update, not a non-finite one."""
     model = _Branchy()
     mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.0), inv_freq=1,
                 factor_dtype="float64")
     for t in range(3):
-        x, y = _branchy_batch(t, 0)
-        Fn.mse_loss(model(x, use_branch=True), y).backward()
+        (x0, y0), (x1, y1) = _branchy_batch(t, 0), _branchy_batch(t, 1)
+        loss = (Fn.mse_loss(model(x0, use_branch=True), y0)
+                + Fn.mse_loss(model(x1, use_branch=False), y1)) / 2
+        loss.backward()
         mkor.step()
         mkor.zero_grad()
     reference = mkor.inverse_factors()
+    for name in ("branch", "branch_nb"):  # the comparison has teeth: rank 0 alone differs
+        alone = _Branchy()
+        solo = MKOR(alone, torch.optim.SGD(alone.parameters(), lr=0.0), inv_freq=1,
+                    factor_dtype="float64")
+        for t in range(3):
+            x, y = _branchy_batch(t, 0)
+            Fn.mse_loss(alone(x, use_branch=True), y).backward()
+            solo.step()
+            solo.zero_grad()
+        assert not torch.allclose(solo.inverse_factors()[name][0], reference[name][0])
     for res in comm_ranks:
         part = res["partial"]
-        for name in ("branch", "branch_nb"):
+        for name in ("trunk", "branch", "branch_nb"):
             for a, b in zip(part["factors"][name], reference[name]):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)  # float64 rounding
             assert part["counters"][name]["updates_a"].item() == 3
         for J in part["factors"]["unused"]:
             assert torch.equal(J, torch.eye(len(J), dtype=torch.float64))
         assert part["counters"]["unused"]["updates_a"].item() == 0
-        assert part["counters"]["unused"]["skipped"].item() == 0
+        assert part["counters"]["unused"]["non_finite"].item() == 0
+        assert part["counters"]["unused"]["no_rows"].item() == 3
         # 4 layers, one bias-free: (5+3) + (4+3) + (3+3) + (4+3) values + 1 count, float64
         assert part["payload"] == (8 + 7 + 6 + 7 + 1) * 8 and part["bytes"] == 3 * part["payload"]
+    assert mkor.counters()["unused"]["no_rows"].item() == 3  # one process counts the same
     for name in comm_ranks[0]["partial"]["factors"]:
         for a, b in zip(comm_ranks[0]["partial"]["factors"][name],
                         comm_ranks[1]["partial"]["factors"][name]):

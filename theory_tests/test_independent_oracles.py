@@ -227,7 +227,7 @@ SCALES = [1024.0, 1000.0, 3.7]  # a power of two (exact) and two that are not
 def _scaled_statistics(cls, scale, path):
     """Backward of scale * loss, the scale told by ``set_grad_scale`` or handed over by
     ``GradScaler.step``. Returns (statistics, seen, x, y, scaled bias gradients, the scale
-    used): MKOR's (a_bar, g_bar) as ``pending_vectors`` computes them inside the step, or
+    used): MKOR's (a_bar, g_bar) from the sums ``pending_sums`` gives inside the step, or
     K-FAC's (A, G). GradScaler keeps its scale in float32 (3.7 becomes 3.700000047...)."""
     x, y = _batch(1)
     model = _net()
@@ -237,8 +237,8 @@ def _scaled_statistics(cls, scale, path):
            else KFAC(model, opt, inv_freq=1, kl_clip=None))
     captured = {}
     if cls is MKOR:
-        original = pre.pending_vectors
-        pre.pending_vectors = lambda: captured.setdefault("v", original())
+        original = pre.pending_sums
+        pre.pending_sums = lambda: captured.setdefault("s", original())
     out = model(x)
     for n in ("conv", "fc", "out"):
         seen["o", n].retain_grad()
@@ -255,7 +255,8 @@ def _scaled_statistics(cls, scale, path):
         scaler.step(pre)
         assert scaler.get_scale() == np.float32(scale)  # no overflow: the step ran
         scale = scaler.get_scale()
-    stats = captured["v"] if cls is MKOR else pre.factors()
+    stats = ({n: (a / rows, g) for n, (a, rows, g) in captured["s"].items()} if cls is MKOR
+             else pre.factors())
     return stats, seen, x, y, bias, scale
 
 

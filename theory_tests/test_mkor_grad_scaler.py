@@ -24,7 +24,7 @@ def _full_state(model, pre):
         state["counters"] = {n: {k: v.clone() for k, v in c.items()}
                              for n, c in pre.counters().items()}
     else:
-        state["counters"] = {n: {k: s[k].clone() for k in ("updates", "skipped")}
+        state["counters"] = {n: {k: s[k].clone() for k in ("updates", "non_finite", "overflow", "no_rows")}
                              for n, s in pre._state.items()}
     return state
 

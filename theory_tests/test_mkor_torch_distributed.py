@@ -130,8 +130,8 @@ def test_double_average_reproduces_the_released_scaling(fp64_ranks):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     mkor = MKOR(model, opt, inv_freq=1, factor_dtype="float64")
-    original = mkor.pending_vectors
-    mkor.pending_vectors = lambda: {k: (a / 2, g / 2) for k, (a, g) in original().items()}
+    original = mkor.pending_sums
+    mkor.pending_sums = lambda: {k: (a / 2, n, g / 2) for k, (a, n, g) in original().items()}
     _train(model, mkor, opt, _mlp_batch, 3)
     once = fp64_ranks[0]["once"]["factors"]
     for name, (L, R) in mkor.inverse_factors().items():

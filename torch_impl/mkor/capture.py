@@ -1,28 +1,60 @@
-r"""Activation / output-gradient hooks (spec MKOR.md K2-K6).
+r"""Activation / output-gradient hooks (spec MKOR.md K2-K6), right by construction.
 
 Hooks (kfac-pytorch pattern) capture a layer's statistics only when the module is in
 training mode, grad is enabled and the owner's schedule says so (K2). The rows come from
 the layer's :class:`~.layers.LayerType`; the owner's ``input_stat`` / ``grad_stat`` turn
 them into additive statistics, summed over every forward + backward until :meth:`reset`.
+``paper_notes/capture.md`` gives the design with the cases it was proved on.
 
-**Pairing.** With ``grad_hook="tensor"`` (default) one forward hook computes the input
-statistic and attaches a gradient hook to *that forward's output* carrying it, so every
-output gradient is paired with exactly the forward that produced it: a train-mode forward
-that is never back-propagated (a metric, a discarded branch) contributes nothing, and a
-layer used twice in one graph contributes both uses. ``grad_hook="module"`` uses
-``register_full_backward_hook``, which sees gradients per module, not per forward: inputs
-wait on a stack, and a forward left without its backward makes the pairing ambiguous, so
-:meth:`Capture.unpaired` reports it and the owner raises.
+**Pairing.** With ``grad_hook="tensor"`` (default) the forward hook computes the input
+statistic and attaches a gradient hook to *that call's output* carrying it, so every
+output gradient is paired with exactly the forward call that produced it, however many
+times a module runs per forward: a train-mode forward that is never back-propagated
+contributes nothing, and a layer used three times contributes three pairs.
+``grad_hook="module"`` uses ``register_full_backward_hook``, which sees gradients per
+module, not per call: inputs wait on a stack, and a forward left without its backward
+makes the pairing ambiguous, so :meth:`Capture.unpaired` reports it and the owner raises.
 
-**Stale statistics.** A layer whose ``weight.grad`` is None when it is captured starts a
-new accumulation cycle: statistics committed earlier (a batch whose step was skipped, e.g.
-by ``GradScaler`` on overflow, followed by ``zero_grad()``) are dropped, so they can never
-leak into a later step. (Gradients zeroed in place, ``set_to_none=False``, cannot be told
-apart from accumulation: call the preconditioner's own ``zero_grad`` then.)
+**Checkpointing.** A forward that runs *during a backward pass* is a recompute
+(``torch.utils.checkpoint``). Non-reentrant checkpointing runs the real forward with grad
+(captured there, as usual) and recomputes only to rebuild saved tensors: the recompute's
+outputs are never back-propagated, so the gradient hook it gets never fires and the
+recompute adds nothing. Reentrant checkpointing runs the real forward without grad (no
+capture) and back-propagates the recompute's outputs: the recompute is what is captured.
+Its statistic is computed lazily in the gradient hook, so a non-reentrant recompute costs
+nothing. The call a recompute belongs to (for its token masks) is found through the
+autograd graph: when a hooked layer runs without grad inside a model call that has grad
+(the first pass of a reentrant region), the model's forward post-hook walks the graph of
+the call's outputs and files every ``CheckpointFunctionBackward`` node under the call's
+:class:`~.token_masks.CallContext`; the recompute runs while the engine executes that very
+node (``torch._C._current_autograd_node()``), so each region finds its own call, however
+many calls share the backward. A region nested in another reentrant region gets its node
+only during the outer recompute: it is not filed, its layers use all their rows and are
+reported (:attr:`Capture.unmasked`) when the call had masks, never guessed.
 
-**Token masks.** With a (B, T) boolean mask set (from the model's ``attention_mask``
-keyword, or :meth:`Capture.token_mask`), the rows of every layer whose leading shape is
-(B, T) are selected by it, so padded positions never enter the statistics.
+**Stale statistics.** Statistics committed during a backward are *settled* when that
+backward accumulates the layer's ``weight.grad`` (a post-accumulate-grad hook). If a later
+commit, or the step, finds ``weight.grad`` None after statistics were settled, their
+gradient was cleared (``zero_grad()`` of the model or the backbone, a skipped step): they
+are dropped, so they can never leak into a later step. Nothing depends on whether
+``.grad`` exists at forward time, so a recompute that precedes the first accumulation, or
+several uses of one weight, lose nothing. (Gradients zeroed in place,
+``set_to_none=False``, cannot be told apart from accumulation: call the preconditioner's
+own ``zero_grad`` then.)
+
+**Token masks** come from where a layer sits (:mod:`.token_masks`): the model's forward
+pre-hook makes the call's context (its ``attention_mask``; for an encoder-decoder model
+also the decoder's mask), and each layer reads its own source's mask, never a mask that
+merely has the right shape. A layer whose rows cannot be matched to its mask uses them all
+and is listed with the reason in :attr:`Capture.unmasked`.
+
+**Rows that are not there.** A call with 0 rows commits a 0 count; the owner treats a
+layer without rows as absent ("no rows"), not as a non-finite update.
+
+**torch.compile.** The hooks are excluded from dynamo (``torch.compiler.disable``): a
+compiled model breaks its graph at each hooked call and runs the hook eagerly, instead of
+compiling the hook once per layer (it closes over the layer) until dynamo's recompile
+limit.
 
 **Precision.** Statistics are computed with autocast disabled, in the rows' dtype promoted
 to float32, so a bf16 forward never produces bf16 factors.
@@ -38,6 +70,8 @@ import weakref
 
 import torch
 
+from .token_masks import CallContext, mask_sources, storage_key
+
 __all__ = ["Capture", "HookedLayers"]
 
 
@@ -49,6 +83,12 @@ def _silence_first_layer_warning():
     warnings.filterwarnings(
         "ignore", message="Full backward hook is firing when gradients are computed with "
         "respect to module outputs", category=UserWarning)
+
+
+def _in_backward():
+    """Whether a backward pass is running on this thread (a forward now is a checkpoint's
+    recompute). The autograd engine's graph-task id, as torch.utils.checkpoint reads it."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _reaches(fn, weight, depth=3):
@@ -89,6 +129,34 @@ def _find_matmul_input(output, weight, max_nodes=64):
     return None
 
 
+def _tensors(value):
+    """Every tensor in a model output (a tensor, a tuple / list, or a dict-like output)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _checkpoint_nodes(output):
+    """The reentrant checkpoint regions (``CheckpointFunctionBackward`` nodes) in the
+    autograd graph of a call's output."""
+    frontier = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    seen, found = set(), []
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            found.append(node)
+        frontier.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return found
+
+
 def _first_tensor(args, kwargs):
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -97,18 +165,23 @@ def _first_tensor(args, kwargs):
 
 
 class _Stats:
-    """Accumulated statistics of one layer since the last reset."""
+    """Accumulated statistics of one layer since the last reset. ``settled``: everything
+    committed so far has been accumulated into ``weight.grad``."""
 
-    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count")
+    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count", "settled")
 
     def __init__(self):
         self.pending = []  # grad_hook="module": (input statistic, mask) awaiting a gradient
         self.a_sum = self.g_sum = None
         self.a_count = self.g_count = 0
+        self.settled = False
 
 
 def _add(total, x):
     return x if total is None else total + x
+
+
+_UNKNOWN = object()  # a recompute whose forward call could not be identified
 
 
 class Capture:
@@ -125,7 +198,8 @@ class Capture:
             output-gradient rows ``(*lead, d_out)``.
         grad_hook: ``"tensor"`` (default) or ``"module"`` (module docstring).
         model: the top-level module; with ``mask_kwarg`` its forward keyword of that name
-            (a 2-D tensor, nonzero = real token) becomes the token mask of that forward.
+            (a 2-D tensor, nonzero = real token) gives the token masks of that call
+            (:mod:`.token_masks`).
 
     After a backward, :meth:`stats` returns ``(a_sum, a_count, g_sum, g_count)`` per layer
     name for layers that saw at least one complete forward + backward.
@@ -141,69 +215,153 @@ class Capture:
         self.input_stat = input_stat
         self.grad_stat = grad_stat
         self.model, self.mask_kwarg = model, mask_kwarg
+        self._sources, self._encoder = (mask_sources(model, self.layers) if model is not None
+                                        else ({l.name: "tokens" for l in self.layers}, None))
         self._stats = {layer.name: _Stats() for layer in self.layers}
         self._handles = []
         self._warned = set()  # layers already warned about (once each)
-        self._explicit_mask = None  # set by token_mask(); wins over the keyword
-        self._forward_mask = None   # from the model's mask keyword, during its forward
+        #: {layer name: why its rows were not selected by a token mask}
+        self.unmasked = {}
+        self._explicit = None   # CallContext set by token_mask(); wins over the keyword
+        self._call = None       # CallContext of the model's forward now running
+        self._call_stack = []   # calls the model's current forward interrupted (nesting)
+        self._masked_seen = False  # some call since the last reset had a token mask
+        self._regions = {}      # CheckpointFunctionBackward node -> CallContext
 
-    # -- token masks -----------------------------------------------------------------
+    # -- call contexts ---------------------------------------------------------------
     @contextlib.contextmanager
     def token_mask(self, mask):
-        """Within the block, rows whose leading shape equals ``mask.shape`` are selected
-        by ``mask`` (nonzero = keep)."""
-        previous, self._explicit_mask = self._explicit_mask, _as_bool(mask)
+        """Within the block, every layer's rows of leading shape ``mask.shape`` are
+        selected by ``mask`` (nonzero = keep)."""
+        previous, self._explicit = self._explicit, CallContext.explicit(mask)
+        self._masked_seen = True
         try:
             yield
         finally:
-            self._explicit_mask = previous
+            self._explicit = previous
 
-    def _mask(self):
-        return self._explicit_mask if self._explicit_mask is not None else self._forward_mask
+    def _context(self):
+        """The CallContext of the forward running now: None outside any model call,
+        ``_UNKNOWN`` for a recompute whose region was not filed."""
+        if self._explicit is not None:
+            return self._explicit
+        if _in_backward():
+            return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)
+        return self._call
 
     def _model_pre_hook(self, module, args, kwargs):
-        value = kwargs.get(self.mask_kwarg)
-        self._forward_mask = (_as_bool(value) if isinstance(value, torch.Tensor)
-                              and value.dim() == 2 else None)
+        if _in_backward():
+            return None
+        ctx = CallContext.from_call(kwargs, self.mask_kwarg, self._encoder is not None)
+        ctx.with_grad = torch.is_grad_enabled()
+        self._masked_seen = self._masked_seen or bool(ctx.masks)
+        self._call_stack.append(self._call)
+        self._call = ctx
+        return None
 
     def _model_post_hook(self, module, args, kwargs, output):
-        self._forward_mask = None
+        if _in_backward() or not self._call_stack:
+            return
+        ctx, self._call = self._call, self._call_stack.pop()
+        if ctx is not None and ctx.regions:
+            for node in _checkpoint_nodes(output):
+                self._regions[node] = ctx
+
+    def _encoder_hook(self, module, args, kwargs, output):
+        out = output[0] if isinstance(output, (tuple, list)) else getattr(
+            output, "last_hidden_state", output)
+        ctx = self._context()
+        if ctx is not None and ctx is not _UNKNOWN and isinstance(out, torch.Tensor):
+            ctx.encoder_out = storage_key(out)
+
+    def _layer_mask(self, layer, ctx, x, lead):
+        """The mask for this call's rows of ``layer`` (None: all rows), recording why a
+        masked call's rows could not be matched."""
+        if ctx is None or ctx is _UNKNOWN:
+            if ctx is _UNKNOWN and self._masked_seen:
+                self.unmasked[layer.name] = (
+                    "recomputed during the backward pass by a reentrant checkpoint region "
+                    "that no model call filed (a region nested in another reentrant region)")
+            return None
+        mask, reason = ctx.mask_for(ctx.source_of(self._sources[layer.name], x), lead)
+        if reason is not None:
+            self.unmasked[layer.name] = reason
+        return mask
 
     # -- hooks -----------------------------------------------------------------------
     def _active(self, module):
-        return module.training and torch.is_grad_enabled() and self.should_capture()
-
-    def _start(self, layer):
-        """A capture begins: drop statistics of an earlier, zeroed gradient cycle."""
-        st = self._stats[layer.name]
-        if st.g_sum is not None and layer.module.weight.grad is None:
-            st.a_sum = st.g_sum = None
-            st.a_count = st.g_count = 0
+        if not (module.training and self.should_capture()):
+            return False
+        if torch.is_grad_enabled():
+            return True
+        ctx = self._call
+        if ctx is not None and ctx.with_grad and not _in_backward():
+            ctx.regions = True  # a grad-free pass inside a call with grad: reentrant region
+        return False
 
     def _input(self, layer, rows, mask):
-        mask = mask if mask is not None and rows.shape[:-1] == mask.shape else None
         with torch.no_grad(), torch.autocast(rows.device.type, enabled=False):
-            return self.input_stat(layer, rows.detach(), mask), mask
+            return self.input_stat(layer, rows.detach(), mask)
 
     def _commit(self, layer, a_stat, mask, g_rows):
         with torch.no_grad(), torch.autocast(g_rows.device.type, enabled=False):
             g_stat, g_count = self.grad_stat(layer, g_rows.detach(), mask)
         st = self._stats[layer.name]
+        if st.settled and layer.module.weight.grad is None:
+            # the gradient the earlier statistics went into was cleared: they are stale
+            st.a_sum = st.g_sum = None
+            st.a_count = st.g_count = 0
+        st.settled = False
         (a, a_count) = a_stat
         st.a_sum, st.a_count = _add(st.a_sum, a), st.a_count + a_count
         st.g_sum, st.g_count = _add(st.g_sum, g_stat), st.g_count + g_count
-        self._committed(layer)
+
+    def _settle(self, names):
+        def hook(param):
+            for name in names:
+                self._stats[name].settled = True
+        return hook
 
     def _captured(self, layer):
         """Called when a forward's input statistic is recorded (for subclasses)."""
 
-    def _committed(self, layer):
-        """Called when a forward's statistics are complete (for subclasses)."""
+    def _committed(self, layer, counted=True):
+        """Called when a forward's statistics are complete (for subclasses); ``counted``:
+        :meth:`_captured` was called for it (not for a recompute's lazy statistic)."""
 
-    def _tensor_hook(self, layer, a_stat, mask, to_rows):
-        def hook(grad):
-            self._commit(layer, a_stat, mask, to_rows(grad))
-        return hook
+    def _record(self, layer, module, x, rows_of, output, grad_rows):
+        """One call of ``layer``: its input statistic now (an ordinary forward) or in the
+        gradient hook (a recompute during backward), paired with this call's gradient."""
+        tensor_mode = self.grad_hook == "tensor"
+        ctx = self._context()
+        if _in_backward():
+            if not tensor_mode:
+                if ctx is None or ctx is _UNKNOWN:
+                    return  # module mode pairs only recomputes of a recorded first pass
+                rows = rows_of()
+                mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
+                self._stats[layer.name].pending.append((self._input(layer, rows, mask), mask,
+                                                        grad_rows))
+                return
+
+            def lazy(grad):
+                rows = rows_of()
+                mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
+                self._commit(layer, self._input(layer, rows, mask), mask, grad_rows(grad))
+                self._committed(layer, counted=False)
+            output.register_hook(lazy)
+            return
+        rows = rows_of()
+        mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
+        a_stat = self._input(layer, rows, mask)
+        self._captured(layer)
+        if tensor_mode:
+            def hook(grad):
+                self._commit(layer, a_stat, mask, grad_rows(grad))
+                self._committed(layer)
+            output.register_hook(hook)
+        else:
+            self._stats[layer.name].pending.append((a_stat, mask, grad_rows))
 
     def _mha_rows(self, layer, y, out):
         """(input rows, function grad -> rows) of an MHA out-projection, both with leading
@@ -221,7 +379,6 @@ class Capture:
 
     def _make_hooks(self, layer):
         """[(target module, kind, hook)] for ``layer``."""
-        tensor_mode = self.grad_hook == "tensor"
         module = layer.module
 
         if layer.kind == "mha_out":
@@ -240,17 +397,12 @@ class Capture:
                                       "layer keeps its current factors (it is listed in "
                                       "preconditioned_modules)", RuntimeWarning)
                     return
-                self._start(layer)
                 rows, grad_rows = self._mha_rows(layer, y, out)
-                a_stat, mask = self._input(layer, rows, self._mask())
-                self._captured(layer)
-                if tensor_mode:
-                    out.register_hook(self._tensor_hook(layer, a_stat, mask, grad_rows))
-                else:
-                    self._stats[layer.name].pending.append((a_stat, mask, grad_rows))
+                self._record(layer, parent, _first_tensor(args, kwargs), lambda: rows, out,
+                             grad_rows)
 
             hooks = [(layer.parent, "forward", mha_hook)]
-            if not tensor_mode:
+            if self.grad_hook == "module":
                 hooks.append((layer.parent, "backward", self._module_backward(layer)))
             return hooks
 
@@ -261,17 +413,11 @@ class Capture:
             x = _first_tensor(args, kwargs)
             if x is None:
                 return
-            self._start(layer)
-            a_stat, mask = self._input(layer, layer.type.input_rows(module, x), self._mask())
-            self._captured(layer)
-            grad_rows = lambda g: layer.type.grad_rows(module, g)  # noqa: E731
-            if tensor_mode:
-                output.register_hook(self._tensor_hook(layer, a_stat, mask, grad_rows))
-            else:
-                self._stats[layer.name].pending.append((a_stat, mask, grad_rows))
+            self._record(layer, module, x, lambda: layer.type.input_rows(module, x), output,
+                         lambda g: layer.type.grad_rows(module, g))
 
         hooks = [(module, "forward", forward_hook)]
-        if not tensor_mode:
+        if self.grad_hook == "module":
             hooks.append((module, "backward", self._module_backward(layer)))
         return hooks
 
@@ -281,6 +427,7 @@ class Capture:
             if module.training and grad_output[0] is not None and st.pending:
                 a_stat, mask, grad_rows = st.pending.pop()
                 self._commit(layer, a_stat, mask, grad_rows(grad_output[0]))
+                self._committed(layer)
         return backward_hook
 
     def register(self):
@@ -288,18 +435,29 @@ class Capture:
         if self._handles:
             return
         _silence_first_layer_warning()
+        disable = torch.compiler.disable
         for layer in self.layers:
             for target, kind, hook in self._make_hooks(layer):
                 if kind == "forward":
-                    handle = target.register_forward_hook(hook, with_kwargs=True)
+                    handle = target.register_forward_hook(disable(hook), with_kwargs=True)
                 else:
                     handle = target.register_full_backward_hook(hook)
                 self._handles.append(handle)
-        if self.model is not None and self.mask_kwarg is not None:
+        by_weight = {}
+        for layer in self.layers:
+            by_weight.setdefault(id(layer.module.weight), (layer.module.weight, []))[1].append(
+                layer.name)
+        for weight, names in by_weight.values():
+            self._handles.append(weight.register_post_accumulate_grad_hook(
+                disable(self._settle(names))))
+        if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(
-                self._model_pre_hook, with_kwargs=True))
+                disable(self._model_pre_hook), with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
-                self._model_post_hook, with_kwargs=True))
+                disable(self._model_post_hook), with_kwargs=True, always_call=True))
+        if self._encoder is not None:
+            self._handles.append(self._encoder.register_forward_hook(
+                disable(self._encoder_hook), with_kwargs=True))
 
     def remove(self):
         """Remove every hook and drop all statistics."""
@@ -317,6 +475,8 @@ class Capture:
         """Drop accumulated and pending statistics (called after every step)."""
         for name in self._stats:
             self._stats[name] = _Stats()
+        self._regions = {}
+        self._masked_seen = self._explicit is not None
 
     def drop_committed(self):
         """Drop the statistics of completed forward + backward pairs (their gradients are
@@ -325,22 +485,27 @@ class Capture:
         for st in self._stats.values():
             st.a_sum = st.g_sum = None
             st.a_count = st.g_count = 0
+            st.settled = False
 
     def stats(self, name):
-        """(a_sum, a_count, g_sum, g_count) of layer ``name``, or None if incomplete."""
+        """(a_sum, a_count, g_sum, g_count) of layer ``name``, or None if incomplete or
+        stale (settled into a gradient that has since been cleared)."""
         st = self._stats[name]
         if st.a_sum is None or st.g_sum is None:
             return None
+        if st.settled and self._layer(name).module.weight.grad is None:
+            return None
         return st.a_sum, st.a_count, st.g_sum, st.g_count
+
+    def _layer(self, name):
+        if not hasattr(self, "_by_name"):
+            self._by_name = {l.name: l for l in self.layers}
+        return self._by_name[name]
 
     def unpaired(self):
         """Names of layers holding forwards that never received a gradient
         (``grad_hook="module"`` only; the tensor mode pairs exactly)."""
         return [name for name, st in self._stats.items() if st.pending]
-
-
-def _as_bool(mask):
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def weak_schedule(method):
@@ -372,6 +537,13 @@ class HookedLayers:
     def skip_reasons(self):
         """{module name: why it is not preconditioned}."""
         return dict(self._skipped)
+
+    @property
+    def unmasked_reasons(self):
+        """{module name: why its rows were not selected by a token mask}: layers that ran in
+        a call with token masks but whose rows could not be matched to their mask (e.g. a
+        pooler's (B, d) rows, an MoE expert's routed rows); they use all their rows."""
+        return dict(self._capture.unmasked)
 
     @property
     def steps(self):

@@ -2,21 +2,32 @@ r"""Averaging MKOR's rank-1 vectors (and K-FAC's factors) over data-parallel ran
 (spec MKOR.md 2.7).
 
 **What is sent.** On a factor-update step every rank packs, for each preconditioned layer
-m in discovery order, :math:`\bar a_m` (d_in' values) then :math:`\bar g_m` (d_out values)
-into one flat buffer and calls ``all_reduce(SUM)`` on it once. The buffer holds
+m in discovery order, the *sums* behind its vectors: :math:`\sum_i [a_i | 1]` over its
+rows (d_in' values) then :math:`\sum_i g_i` (d_out values), into one flat buffer and
+calls ``all_reduce(SUM)`` on it once. The buffer holds
 
 .. math::
     \textstyle\sum_m (d'_{in,m} + d_{out,m}) \;+\; \#\{m : m \text{ has no bias}\}
 
-values. The second term is a presence count for each bias-free layer (1 if this rank
-captured the layer this step, else 0). A layer with a bias needs no extra value: the last
-entry of :math:`\bar a` is the mean of the bias column's constant input, 1 by definition,
-so the sender writes exactly 1 there (0 when it has nothing) and after the SUM that entry
-*is* the number of ranks that captured the layer. Each layer is then divided **once** by
-its count: the mean over the ranks that captured it (every rank, in ordinary DDP
-training). ``ReduceOp.AVG`` is not used: gloo lacks it, and it would divide by P even for a
-layer some ranks did not capture. ``average="double"`` divides by P once more, reproducing
-the released code's bug (the rank-1 term scaled by 1/P^2), for differential tests only.
+values. The second term is the row count of each bias-free layer. A layer with a bias
+needs no extra value: the last entry of its input sum is the sum of the bias column's
+constant input 1 over the rows, which *is* the row count. After the SUM every rank holds
+the union's sums and row count, so
+
+.. math::
+    \bar a = \frac{\sum_r \sum_{i \in r} [a_i | 1]}{\sum_r n_r}, \qquad
+    \bar g = \frac1P \sum_r \sum_{i \in r} g_i ,
+
+exactly one process's vectors on the union of the batches: the mean over the rows that
+exist (a rank where the layer had no rows, an MoE expert routed no tokens there,
+contributes zeros and a count of 0, never a 0/0), and the gradient sum of the
+rank-averaged loss, which is what DDP's gradient averaging (a division by P) makes of
+each rank's mean loss. A layer with no rows on any rank comes back with count 0 and is
+left untouched ("no rows"). ``ReduceOp.AVG`` is not used: gloo lacks it.
+``average="double"`` divides both vectors by P once more, reproducing the released code's
+bug (the rank-1 term scaled by 1/P^2), for differential tests only. (:class:`Packet` also
+offers the older mean-of-means packing, ``sums=False``, with each item's count of
+contributing ranks.)
 
 **Volume.** ``Packet.nbytes`` = values x itemsize per rank per factor update: O(d) per
 layer. (A ring all-reduce puts 2(P-1)/P of that on each rank's link.) K-FAC's factor
@@ -31,7 +42,7 @@ that dtype, so with :math:`\gamma_P = Pu/(1-Pu)`
     \;(+\,2^{-24} \text{ for float16 values in its subnormal range}),
 
 and a value beyond float16's range (65504) becomes inf, after which MKOR skips that
-factor update (counted in ``counters()["skipped"]``); bfloat16 has float32's range. The
+factor update (counted in ``counters()[name]["non_finite"]``); bfloat16 has float32's range. The
 counts are exact integers only up to 2^11 (float16) / 2^8 (bfloat16) ranks; more ranks
 raise ``ValueError``.
 """
@@ -63,12 +74,18 @@ class Packet:
             holding the item (then it carries the count); otherwise a count value is
             appended after all the items.
         dtype: the buffer's (wire) dtype.
+        sums: False (default): items are means, a carried entry is overwritten with 1 and
+            :meth:`unpack` divides each item by the number of ranks that sent it. True:
+            items are sums whose carried entry already holds the item's count (rows), the
+            count of an uncarried item is passed to :meth:`pack`, and :meth:`unpack_sums`
+            returns the summed items with the summed count, undivided.
     """
 
-    def __init__(self, shapes, carried, dtype):
+    def __init__(self, shapes, carried, dtype, sums=False):
         self.shapes = [[torch.Size(s) for s in item] for item in shapes]
         self.carried = [bool(c) for c in carried]
         self.dtype = dtype
+        self.sums = sums
         self._sizes = [[s.numel() for s in item] for item in self.shapes]
         self._starts, self._count_at, offset = [], [], 0
         for sizes in self._sizes:
@@ -89,23 +106,42 @@ class Packet:
         """Bytes each rank contributes to the all-reduce."""
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
-    def pack(self, items, device):
+    def pack(self, items, device, counts=None):
         """One flat buffer from ``items`` (per item: a list of tensors, or None if this rank
-        has nothing for it). No host synchronisation: only shapes are read."""
-        pieces, counts = [], []
+        has nothing for it); with ``sums``, ``counts`` gives each uncarried item's count (a
+        number or a 0-d tensor). No host synchronisation: only shapes are read."""
+        pieces, tail = [], []
         one = torch.ones(1, dtype=self.dtype, device=device)
         zero = torch.zeros(1, dtype=self.dtype, device=device)
-        for item, sizes, carried in zip(items, self._sizes, self.carried):
+        for m, (item, sizes, carried) in enumerate(zip(items, self._sizes, self.carried)):
             if item is None:
                 pieces.append(torch.zeros(sum(sizes), dtype=self.dtype, device=device))
             else:
                 flat = [t.reshape(-1).to(device=device, dtype=self.dtype) for t in item]
-                if carried:  # the entry that is 1 by definition carries the count
+                if carried and not self.sums:  # the entry that is 1 carries the count
                     flat[0] = torch.cat([flat[0][:-1], one])
                 pieces += flat
             if not carried:
-                counts.append(zero if item is None else one)
-        return torch.cat(pieces + counts)
+                if item is None:
+                    tail.append(zero)
+                elif self.sums:
+                    n = counts[m]
+                    tail.append(n.reshape(1).to(device=device, dtype=self.dtype)
+                                if isinstance(n, torch.Tensor) else zero + float(n))
+                else:
+                    tail.append(one)
+        return torch.cat(pieces + tail)
+
+    def unpack_sums(self, buffer, out_dtype):
+        """Per item ``(tensors, count)``: the summed item and its summed count (0-d), in
+        ``out_dtype``, undivided (``sums=True``)."""
+        out = []
+        for start, sizes, shapes, at in zip(self._starts, self._sizes, self.shapes,
+                                            self._count_at):
+            flat = buffer[start:start + sum(sizes)].to(out_dtype)
+            out.append(([t.reshape(s) for t, s in zip(torch.split(flat, sizes), shapes)],
+                        buffer[at].to(out_dtype)))
+        return out
 
     def unpack(self, buffer, out_dtype, average="once", world=1):
         """Per item ``(tensors, count)``: the item divided by its count (the number of
@@ -122,14 +158,14 @@ class Packet:
                         count))
         return out
 
-    def all_reduce(self, items, device, group=None, async_op=False):
+    def all_reduce(self, items, device, group=None, async_op=False, counts=None):
         """Pack ``items`` and SUM-all-reduce the buffer (no-op on one rank); returns a
         :class:`Reduction` to :meth:`~Reduction.wait` on."""
         world = world_size(group)
         if world > _EXACT_COUNTS[self.dtype]:
             raise ValueError(f"comm_dtype {self.dtype} counts ranks exactly only up to "
                              f"{_EXACT_COUNTS[self.dtype]}, got {world} ranks")
-        buffer = self.pack(items, device)
+        buffer = self.pack(items, device, counts)
         work = None
         if world > 1:
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group,
@@ -150,29 +186,35 @@ class Reduction:
             self.work = None
 
     def wait(self, out_dtype, average="once"):
-        """:meth:`finish`, then :meth:`Packet.unpack`."""
+        """:meth:`finish`, then :meth:`Packet.unpack` (or :meth:`Packet.unpack_sums`)."""
         self.finish()
+        if self.packet.sums:
+            return self.packet.unpack_sums(self.buffer, out_dtype)
         return self.packet.unpack(self.buffer, out_dtype, average, self.world)
 
 
 class VectorExchange:
-    """MKOR's communication: the packet of its layers (a_bar, g_bar per layer, bias-free
-    layers' counts), the launch (at ``step()``, or from the backward pass with
-    ``comm_overlap``) and the running byte count."""
+    """MKOR's communication: the packet of its layers (the sums behind a_bar and g_bar per
+    layer, bias-free layers' row counts), the launch (at ``step()``, or from the backward
+    pass with ``comm_overlap``) and the running byte count."""
 
     def __init__(self, layers, model, compute_dtype, comm_dtype=None, average="once",
                  group=None):
         self.layers, self.model, self.group = list(layers), model, group
         self.compute_dtype, self.average = compute_dtype, average
         self.packet = Packet([[(l.d_in,), (l.d_out,)] for l in self.layers],
-                             [l.has_bias for l in self.layers], comm_dtype or compute_dtype)
+                             [l.has_bias for l in self.layers], comm_dtype or compute_dtype,
+                             sums=True)
         self.communicated_bytes = 0
         self._inflight = None  # (Reduction, capture commits when it was launched)
 
     def _launch(self, pending, async_op):
-        items = [list(pending[l.name]) if l.name in pending else None for l in self.layers]
+        """``pending``: {name: (a_sum, rows, g_sum)}."""
+        items = [[pending[l.name][0], pending[l.name][2]] if l.name in pending else None
+                 for l in self.layers]
+        counts = [pending[l.name][1] if l.name in pending else 0 for l in self.layers]
         reduction = self.packet.all_reduce(items, self.layers[0].module.weight.device,
-                                           self.group, async_op)
+                                           self.group, async_op, counts)
         self.communicated_bytes += self.packet.nbytes
         return reduction
 
@@ -189,8 +231,9 @@ class VectorExchange:
         self._inflight = (self._launch(pending, async_op=True), commits)
 
     def exchange(self, pending, commits=None):
-        """[(layer, a_bar, g_bar, present)] averaged over the ranks that captured each
-        layer; uses the early launch if no statistic was committed after it."""
+        """[(layer, a_bar, g_bar, present)] of the union of the ranks' rows (module
+        docstring) from this rank's ``pending`` {name: (a_sum, rows, g_sum)}; uses the early
+        launch if no statistic was committed after it."""
         if not self.layers:
             return []
         reduction = None
@@ -203,11 +246,16 @@ class VectorExchange:
                 launched.finish()
         if reduction is None:
             reduction = self._launch(pending, async_op=False)
-        results = reduction.wait(self.compute_dtype, self.average)
+        results = reduction.wait(self.compute_dtype)
+        world = world_size(self.group)
+        divide = world * world if self.average == "double" else world
         out = []
-        for layer, ((a_bar, g_bar), count) in zip(self.layers, results):
+        for layer, ((a_sum, g_sum), rows) in zip(self.layers, results):
             dev = layer.module.weight.device
-            out.append((layer, a_bar.to(dev), g_bar.to(dev), count.to(dev) > 0))
+            a_bar = a_sum / rows.clamp(min=1)
+            if self.average == "double":
+                a_bar = a_bar / world
+            out.append((layer, a_bar.to(dev), (g_sum / divide).to(dev), rows.to(dev) > 0))
         return out
 
     def drop(self):
@@ -243,9 +291,11 @@ class OverlapCapture(Capture):
     def _captured(self, layer):
         self.outstanding += 1
 
-    def _committed(self, layer):
-        self.outstanding -= 1
+    def _committed(self, layer, counted=True):
         self.commits += 1
+        if not counted:  # a recompute's statistic: reentrant checkpointing, no launch
+            return
+        self.outstanding -= 1
         if self.outstanding == 0:
             self.on_backward_done()
 

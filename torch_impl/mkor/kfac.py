@@ -33,9 +33,14 @@ factor, and if all fail the previous decomposition is kept (``decomposition_fail
 statistics are float32 under autocast.
 
 Distributed (the baseline MKOR's O(d) claim is measured against): on a factor-update step
-every rank all-reduces the *full* batch factors A_new and G_new of every layer in one flat
-buffer (:class:`~.distributed.Packet`, mean taken once), then applies the same EMA and
-decomposition, so :attr:`KFAC.payload_bytes` = (sum_m (d_in'^2 + d_out^2) + #bias-free
+every rank all-reduces the *sums* behind the batch factors of every layer, sum_i a_i a_i^T
+and sum_i g_i g_i^T, with its row count (and, for a Conv2d, its sample count) in one flat
+buffer (:class:`~.distributed.Packet`), and every rank then forms one process's factors
+on the union of the batches, A = sum_r sum_i a a^T / sum_r n_r and
+G = (sum_r N_r) sum_r sum_i g g^T / P^2 (each rank's g_i is the gradient of its own mean
+loss, and DDP averages over the P ranks), before the same EMA and decomposition. A layer
+with no rows on some rank (an MoE expert routed no tokens there) adds zeros, never 0/0.
+:attr:`KFAC.payload_bytes` = (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d
 layers) x itemsize: O(d^2) per layer. (KAISA can also send inverses or shard the work;
 this baseline replicates everything, like MKOR.)
 """
@@ -47,6 +52,7 @@ from .capture import Capture, weak_schedule
 from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import Packet, world_size
+from .layers import LayerType
 from .wrapper import PreconditionedOptimizer
 
 __all__ = ["KFAC"]
@@ -81,6 +87,12 @@ def _grad_stat(layer, rows, mask):
     if layer.identity_L:
         return flat.new_zeros(0), samples
     return flat.T @ flat, samples
+
+
+def _per_sample(layer):
+    """Whether the layer type counts several rows per sample (Conv2d: L positions), so its
+    sample count travels apart from its row count."""
+    return type(layer.type).rows_per_sample is not LayerType.rows_per_sample
 
 
 def _decompose(F, damping, method):
@@ -125,7 +137,8 @@ class KFAC(PreconditionedOptimizer):
         model, optimizer: as :class:`~torch_impl.mkor.MKOR`.
         inv_freq: decomposition period (KAISA's inv_update_steps).
         factor_freq: factor EMA period (factor_update_steps).
-        damping: delta (> 0). factor_decay: beta in [0, 1).
+        damping: delta (> 0). factor_decay: beta in [0, 1) (the weight of the old factor;
+            1 is allowed with ``factor_init="identity"``: the factors then stay at the start).
         kl_clip: kappa > 0, or None to disable; the clip uses the learning rate of the
             optimizer's first param group, read at every step.
         method: "eigen" (default) or "inverse".
@@ -134,6 +147,12 @@ class KFAC(PreconditionedOptimizer):
         max_factor_dim, token_mask, grad_scaler, grad_scale: as for MKOR (a factor side
             at the identity is the factor I: eigenvalues 1, or inverse I / (1 + delta)).
         process_group: process group for averaging the factors (default: the world).
+        factor_init: where the factor EMAs start. "batch" (default): the first accepted
+            update takes the batch factor as is. "identity": A starts at s_A I and G at
+            s_G I and every update blends, the first included (kfac-pytorch's convention;
+            :func:`~.kfac_conventions.from_kfac_pytorch` sets this and the scales).
+        factor_init_scale: (s_A, s_G), each > 0, for ``factor_init="identity"`` (default
+            (1.0, 1.0); must stay so with "batch").
     """
 
     _state_key = "kfac"
@@ -141,15 +160,27 @@ class KFAC(PreconditionedOptimizer):
     def __init__(self, model, optimizer, *, inv_freq=10, factor_freq=1, damping=1e-3,
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
                  grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
-                 grad_scaler=None, grad_scale=1.0, process_group=None):
+                 grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
+                 factor_init_scale=(1.0, 1.0)):
         self._bind(model, optimizer, grad_scaler)
         for name, value in (("inv_freq", inv_freq), ("factor_freq", factor_freq)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not damping > 0:
             raise ValueError(f"damping must be > 0, got {damping!r}")
-        if not 0 <= factor_decay < 1:
-            raise ValueError(f"factor_decay must be in [0, 1), got {factor_decay!r}")
+        if factor_init not in ("batch", "identity"):
+            raise ValueError(f"factor_init must be 'batch' or 'identity', got {factor_init!r}")
+        scales = tuple(factor_init_scale) if isinstance(factor_init_scale, (tuple, list)) else ()
+        if len(scales) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                       and 0 < v < float("inf") for v in scales):
+            raise ValueError("factor_init_scale must be a pair (s_A, s_G) of finite numbers > 0, "
+                             f"got {factor_init_scale!r}")
+        if factor_init == "batch" and scales != (1.0, 1.0):
+            raise ValueError("factor_init_scale only applies to factor_init='identity', got "
+                             f"{factor_init_scale!r} with factor_init='batch'")
+        if not (0 <= factor_decay < 1 or (factor_decay == 1 and factor_init == "identity")):
+            raise ValueError(f"factor_decay must be in [0, 1) (or 1 with factor_init="
+                             f"'identity'), got {factor_decay!r}")
         if kl_clip is not None and not kl_clip > 0:
             raise ValueError(f"kl_clip must be None or > 0, got {kl_clip!r}")
         if method not in ("eigen", "inverse"):
@@ -164,6 +195,7 @@ class KFAC(PreconditionedOptimizer):
         self.damping, self.factor_decay, self.kl_clip, self.method = (
             damping, factor_decay, kl_clip, method)
         self._grad_scale = grad_scale
+        self.factor_init, self.factor_init_scale = factor_init, tuple(float(v) for v in scales)
         found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
         self._layers, self._skipped = found.layers, found.skipped
         # Factors are kept in the statistics' dtype: the weights' promoted with float32.
@@ -180,10 +212,12 @@ class KFAC(PreconditionedOptimizer):
                                 _input_stat, _grad_stat, grad_hook=grad_hook,
                                 model=unwrap_model(model), mask_kwarg=token_mask)
         self._capture.register()
+        # Sums travel: A's [-1, -1] entry (the bias column's 1 * 1 summed) is the row
+        # count; a layer with several rows per sample (Conv2d) also sends its samples.
         self._packet = Packet(
-            [[self._a_shape(l), self._g_shape(l)] for l in self._layers],
-            [l.has_bias and not l.identity_R for l in self._layers],  # A[-1, -1] = 1
-            self._dtype)
+            [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if _per_sample(l) else [])
+             for l in self._layers],
+            [l.has_bias and not l.identity_R for l in self._layers], self._dtype, sums=True)
         self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
         self._attach([unwrap_model(model)] + [l.module for l in self._layers])
 
@@ -198,11 +232,14 @@ class KFAC(PreconditionedOptimizer):
     def _initial_state(self, layer):
         dev = layer.module.weight.device
         state = {"updates": torch.zeros((), dtype=torch.int64, device=dev),
-                 "skipped": torch.zeros((), dtype=torch.int64, device=dev)}
-        for key, side, d in (("A", layer.identity_R, layer.d_in),
-                             ("G", layer.identity_L, layer.d_out)):
-            if not side:  # I until the first accepted update replaces it
-                state[key] = torch.eye(d, dtype=self._dtype, device=dev)
+                 "non_finite": torch.zeros((), dtype=torch.int64, device=dev),
+                 "overflow": torch.zeros((), dtype=torch.int64, device=dev),
+                 "no_rows": torch.zeros((), dtype=torch.int64, device=dev)}
+        s_A, s_G = self.factor_init_scale
+        for key, side, d, scale in (("A", layer.identity_R, layer.d_in, s_A),
+                                    ("G", layer.identity_L, layer.d_out, s_G)):
+            if not side:  # "batch": I until the first accepted update replaces it
+                state[key] = scale * torch.eye(d, dtype=self._dtype, device=dev)
         return state
 
     @property
@@ -213,9 +250,17 @@ class KFAC(PreconditionedOptimizer):
 
     @property
     def skipped_updates(self):
-        """Factor updates refused for non-finite statistics (a tensor)."""
-        counts = [s["skipped"] for s in self._state.values()]
+        """Factor updates refused for non-finite statistics or an overflowing EMA (a
+        tensor); layers without rows are counted apart, in ``counters()``."""
+        counts = [s["non_finite"] + s["overflow"] for s in self._state.values()]
         return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64))
+
+    def counters(self):
+        """{name: {...}} of 0-d tensors: accepted ``updates``, updates refused for
+        ``non_finite`` statistics or an ``overflow`` of the EMA, and updates sat out with
+        ``no_rows`` (no rows reached the layer, on any rank)."""
+        keys = ("updates", "non_finite", "overflow", "no_rows")
+        return {name: {k: s[k] for k in keys} for name, s in self._state.items()}
 
     def factor_update_due(self):
         return not self._detached and self._steps % self.factor_freq == 0
@@ -258,47 +303,81 @@ class KFAC(PreconditionedOptimizer):
 
     # -- the step -----------------------------------------------------------------------
     def _batch_factors(self):
-        """[(layer, A_new, G_new)] of this step, averaged over the ranks that captured
-        each layer when distributed."""
+        """[(layer, A_new, G_new, present)] of this step: one process's factors on the union
+        of the ranks' rows (module docstring). ``present``: None (the layer has rows), False
+        (it has none, on one process), or a 0-d bool tensor (no host sync)."""
         scale = self._step_scale if self._step_scale is not None else self._configured_scale()
-        new = []
-        for layer in self._layers:
-            stats = self._capture.stats(layer.name)
-            if stats is not None:
-                a_sum, a_count, g_sum, samples = stats
-                # g_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
+        mine = {l.name: self._capture.stats(l.name) for l in self._layers}
+        mine = {name: stats for name, stats in mine.items() if stats is not None}
+        self._check_captured(self._layers, bool(mine))
+        world = world_size(self.process_group)
+        if world == 1 or not self._layers:
+            out = []
+            for layer in self._layers:
+                if layer.name not in mine:  # not called since the last factor update
+                    out.append((layer, None, None, False))
+                    continue
+                a_sum, rows, s_sum, samples = mine[layer.name]
+                if not isinstance(rows, torch.Tensor) and rows == 0:
+                    out.append((layer, None, None, False))  # only calls with 0 rows
+                    continue
+                present = rows > 0 if isinstance(rows, torch.Tensor) else None
+                rows = rows.clamp(min=1) if isinstance(rows, torch.Tensor) else rows
+                # s_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
                 # number divided by it would round the factor N / s^2 to float32
-                new.append((layer, a_sum / a_count, g_sum * samples / scale / scale))
-        self._check_captured(self._layers, bool(new))
-        if world_size(self.process_group) == 1 or not self._layers:
-            return new
-        mine = {layer.name: [A, G] for layer, A, G in new}
-        reduction = self._packet.all_reduce([mine.get(l.name) for l in self._layers],
-                                            self._layers[0].module.weight.device,
-                                            self.process_group)
+                out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
+            return out
+        items, counts = [], []
+        for layer in self._layers:
+            if layer.name not in mine:
+                items.append(None)
+                counts.append(0)
+                continue
+            a_sum, rows, s_sum, samples = mine[layer.name]
+            extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if _per_sample(
+                layer) else []
+            items.append([a_sum, s_sum] + extra)
+            counts.append(rows)
+        reduction = self._packet.all_reduce(items, self._layers[0].module.weight.device,
+                                            self.process_group, counts=counts)
         self.communicated_bytes += self._packet.nbytes
         out = []
-        for layer, ((A, G), count) in zip(self._layers, reduction.wait(self._packet.dtype)):
-            # A layer no rank captured stays as it was. A rank that captured it knows the
-            # count is >= 1 without reading it; only the others read it (a host sync that
-            # ordinary DDP training, where every rank captures every layer, never makes).
-            if layer.name in mine or count > 0:
-                dev = layer.module.weight.device
-                out.append((layer, A.to(dev), G.to(dev)))
+        for layer, (sums, rows) in zip(self._layers, reduction.wait(self._packet.dtype)):
+            A_sum, S_sum = sums[0], sums[1]
+            samples = sums[2][0] if _per_sample(layer) else rows
+            dev = layer.module.weight.device
+            A = A_sum / rows.clamp(min=1)
+            # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
+            # each rank's g_i being its mean loss's gradient and DDP averaging over P ranks
+            G = S_sum * samples / world / world / scale / scale
+            out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
         return out
 
     def _update_factors(self):
         beta = self.factor_decay
-        for layer, A_new, G_new in self._batch_factors():
+        for layer, A_new, G_new, present in self._batch_factors():
             s = self._state[layer.name]
-            ok = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+            if present is False:
+                s["no_rows"] = s["no_rows"] + 1
+                continue
+            finite = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+            ok = finite
             first = s["updates"] == 0
+            blends = {}
             for key, new in (("A", A_new), ("G", G_new)):
-                if key in s:  # the first accepted update takes the batch factor as is
-                    blended = torch.where(first, new, beta * s[key] + (1 - beta) * new)
-                    s[key] = torch.where(ok, blended, s[key])
+                if key in s:  # "batch": the first accepted update takes the batch factor
+                    blends[key] = torch.where(first & (self.factor_init == "batch"), new,
+                                              beta * s[key] + (1 - beta) * new)
+                    ok = ok & torch.isfinite(blends[key]).all()
+            overflow = finite & ~ok  # finite statistics, non-finite EMA
+            if present is not None:  # a 0-d bool: whether any rank had rows
+                s["no_rows"] = s["no_rows"] + (~present).long()
+                finite, overflow, ok = finite | ~present, overflow & present, ok & present
+            for key, blended in blends.items():
+                s[key] = torch.where(ok, blended, s[key])
             s["updates"] = s["updates"] + ok.long()
-            s["skipped"] = s["skipped"] + (~ok).long()
+            s["non_finite"] = s["non_finite"] + (~finite).long()
+            s["overflow"] = s["overflow"] + overflow.long()
 
     def _decompose_all(self):
         for name, s in self._state.items():

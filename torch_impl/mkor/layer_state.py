@@ -2,8 +2,11 @@
 hooks and the schedule in :mod:`.preconditioner`.
 
 State per layer: the inverse factors ``L_inv`` (d_out x d_out) and ``R_inv`` (d_in' x d_in'),
-0-d counters ``updates_a``/``updates_g`` (accepted updates), ``skipped`` (non-finite updates
-refused), ``fired`` (stabiliser actions) and the deferred reset flags ``reset_a``/``reset_g``.
+0-d counters ``updates_a``/``updates_g`` (accepted updates), ``non_finite`` (updates refused
+because a statistic vector held a NaN or inf), ``overflow`` (updates refused because the
+vectors were finite but the updated factor was not), ``no_rows`` (factor updates the layer
+sat out because no rows reached it: an MoE expert routed no tokens, on every rank), ``fired``
+(stabiliser actions) and the deferred reset flags ``reset_a``/``reset_g``.
 Every decision is a ``torch.where`` on 0-d tensors: nothing here synchronises with the device.
 """
 import math
@@ -24,7 +27,8 @@ def initial_layer_state(layer, factor_dtype):
     false = torch.zeros((), dtype=torch.bool, device=dev)
     state = {"updates_a": zero.clone(), "updates_g": zero.clone(),
              "reset_a": false.clone(), "reset_g": false.clone(),
-             "skipped": zero.clone(), "fired": zero.clone()}
+             "non_finite": zero.clone(), "overflow": zero.clone(), "no_rows": zero.clone(),
+             "fired": zero.clone()}
     if not layer.identity_L:
         state["L_inv"] = torch.eye(layer.d_out, dtype=factor_dtype, device=dev)
     if not layer.identity_R:
@@ -55,9 +59,15 @@ class Workspace:
 
 def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
     """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) with the options ``o`` (K8-K12);
-    a non-finite vector or result is refused and counted.  ``present``: None on one process,
-    else a 0-d bool saying whether any rank captured the layer. With a ``workspace`` the new
+    a non-finite vector or result is refused and counted.  ``present``: None when the layer
+    has rows, False when it has none (counted in ``no_rows``, nothing else happens), or a
+    0-d bool tensor saying whether it has rows (no host sync). With a ``workspace`` the new
     factor is computed in a borrowed buffer and written into the stored one (no allocation)."""
+    if present is False:
+        s["no_rows"] = s["no_rows"] + 1
+        return
+    if present is not None:
+        s["no_rows"] = s["no_rows"] + (~present).long()
     cd = o.compute_dtype
     deferred = o.stabilizer_timing == "deferred"
     coupled = o.stabilizer_coupling == "coupled"
@@ -81,12 +91,14 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
         J_new, fired = factor_update(J, v, first=first, reset_flag=flag, out=buf, **common)
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
         # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
-        ok = torch.isfinite(v).all() & torch.isfinite(max_entry_norm(J_new))
+        finite_v = torch.isfinite(v).all()
+        finite_J = torch.isfinite(max_entry_norm(J_new))
+        bad_v, bad_J = ~finite_v, finite_v & ~finite_J
+        ok = finite_v & finite_J
         if present is not None:
-            s["skipped"] = s["skipped"] + (present & ~ok).long()
-            ok = ok & present
-        else:
-            s["skipped"] = s["skipped"] + (~ok).long()
+            bad_v, bad_J, ok = present & bad_v, present & bad_J, ok & present
+        s["non_finite"] = s["non_finite"] + bad_v.long()
+        s["overflow"] = s["overflow"] + bad_J.long()
         if buf is not None and s[key].dtype == cd:  # J is the stored factor: update in place
             torch.where(ok, J_new, J, out=s[key])
         else:

@@ -35,6 +35,19 @@ from .wrapper import PreconditionedOptimizer
 __all__ = ["MKOR"]
 
 
+def _upgrade_counters(saved):
+    """A layer state saved before the counters were split: ``skipped`` (refused
+    non-finite updates) becomes ``non_finite``; ``overflow`` and ``no_rows`` start at 0."""
+    if "skipped" not in saved:
+        return saved
+    saved = dict(saved)
+    skipped = saved.pop("skipped")
+    saved.setdefault("non_finite", skipped)
+    saved.setdefault("overflow", torch.zeros_like(skipped))
+    saved.setdefault("no_rows", torch.zeros_like(skipped))
+    return saved
+
+
 def _promote(rows):
     return rows.to(torch.promote_types(rows.dtype, torch.float32))
 
@@ -201,16 +214,19 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         return {name: (s.get("L_inv"), s.get("R_inv")) for name, s in self._state.items()}
 
     def counters(self):
-        """{name: {...}} of 0-d tensors: non-finite ``skipped`` factor updates,
+        """{name: {...}} of 0-d tensors: factor updates refused for ``non_finite``
+        statistics and for an ``overflow`` of the update, updates sat out with ``no_rows``,
         stabiliser ``fired`` count, ``updates_a`` / ``updates_g`` and deferred flags."""
-        keys = ("skipped", "fired", "updates_a", "updates_g", "reset_a", "reset_g")
+        keys = ("non_finite", "overflow", "no_rows", "fired", "updates_a", "updates_g",
+                "reset_a", "reset_g")
         return {name: {k: s[k] for k in keys} for name, s in self._state.items()}
 
     @property
     def skipped_updates(self):
-        """Total factor updates skipped for non-finite statistics (a tensor; reading its
-        value is a host sync, done by the caller)."""
-        counts = [s["skipped"] for s in self._state.values()]
+        """Total factor updates refused (non-finite statistics or an overflowing update; a
+        tensor: reading its value is a host sync, done by the caller). Layers without rows
+        are not refused updates: see ``counters()[name]["no_rows"]``."""
+        counts = [s["non_finite"] + s["overflow"] for s in self._state.values()]
         if not counts:
             return torch.zeros((), dtype=torch.int64)
         return torch.stack([c.to(counts[0].device) for c in counts]).sum()
@@ -245,6 +261,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                                  f"the preconditioned modules {sorted(names)}")
             for name, saved in state["layers"].items():
                 own = self._state[name]
+                saved = _upgrade_counters(saved)
                 if set(saved) != set(own):
                     raise ValueError(f"{name}: state keys {sorted(saved)} != {sorted(own)} "
                                      "(a different max_factor_dim?)")
@@ -302,9 +319,11 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         self._step_scale = None
 
     # -- internals ----------------------------------------------------------------------
-    def pending_vectors(self):
-        """{name: (a_bar, g_bar)} from the statistics captured since the last step, in
-        the compute dtype, before any cross-rank averaging (for inspection and tests)."""
+    def pending_sums(self):
+        """{name: (a_sum, rows, g_sum)} captured since the last step, in the compute dtype:
+        a_sum = sum_i [a_i | 1] over the rows, their number (an int, or a 0-d tensor under
+        a token mask), and g_sum = sum_i g_i divided by the loss scale and
+        ``grad_accum_steps``: what one rank contributes to the union's vectors."""
         o, cd = self.options, self.options.compute_dtype
         g_div = o.grad_accum_steps or 1
         scale = self._step_scale if self._step_scale is not None else self._configured_scale()
@@ -312,24 +331,49 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         for layer in self._layers:
             stats = self._capture.stats(layer.name)
             if stats is not None:
-                a_sum, a_count, g_sum, _ = stats
-                out[layer.name] = (a_sum.to(cd) / a_count, g_sum.to(cd) / g_div / scale)
+                a_sum, rows, g_sum, _ = stats
+                out[layer.name] = (a_sum.to(cd), rows, g_sum.to(cd) / g_div / scale)
+        return out
+
+    def pending_vectors(self):
+        """{name: (a_bar, g_bar)} from the statistics captured since the last step, in
+        the compute dtype, before any cross-rank averaging (for inspection and tests); a
+        layer whose forwards had no rows has no a_bar and is left out (or, when its row
+        count is a tensor, gets a_bar = 0)."""
+        out = {}
+        for name, (a_sum, rows, g) in self.pending_sums().items():
+            if isinstance(rows, torch.Tensor):
+                out[name] = (a_sum / rows.clamp(min=1), g)
+            elif rows > 0:
+                out[name] = (a_sum / rows, g)
         return out
 
     def _launch_early(self):
         """comm_overlap: a backward pass has reached every captured layer."""
         if self.factor_update_due():
-            self._exchange.launch_early(self.pending_vectors(), self._capture.commits)
+            self._exchange.launch_early(self.pending_sums(), self._capture.commits)
 
     def _vectors(self):
         """(layer, a_bar, g_bar, present) for every layer to update this step. Distributed,
-        every rank sends every layer (zeros where absent) so the buffer layouts agree; a
-        layer no rank captured comes back with present = False and is left untouched."""
-        pending = self.pending_vectors()
+        every rank sends every layer's sums (zeros where absent) so the buffer layouts
+        agree; a layer with no rows on any rank comes back with present = False and is
+        left untouched (counted in ``no_rows``)."""
+        pending = self.pending_sums()
         if world_size(self.process_group) == 1:
             self._check_captured(self._layers, bool(pending))
-            return [(layer, *pending[layer.name], None) for layer in self._layers
-                    if layer.name in pending]
+            out = []
+            for layer in self._layers:
+                if layer.name not in pending:  # not called since the last step
+                    out.append((layer, None, None, False))
+                    continue
+                a_sum, rows, g = pending[layer.name]
+                if isinstance(rows, torch.Tensor):  # masked: no host sync
+                    out.append((layer, a_sum / rows.clamp(min=1), g, rows > 0))
+                elif rows > 0:
+                    out.append((layer, a_sum / rows, g, None))
+                else:  # only calls with 0 rows (an MoE expert routed no tokens)
+                    out.append((layer, None, None, False))
+            return out
         return self._exchange.exchange(pending, getattr(self._capture, "commits", None))
 
     def _update_factors(self):
