@@ -25,6 +25,7 @@ T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/mkor/kfac.py"
 R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mkor/hybrid.py"
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
+T_TM = "torch_impl/mkor/token_masks.py"
 R_FO, T_LAMB = "reference/first_order.py", "torch_impl/mkor/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
 _POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
@@ -269,6 +270,8 @@ MUTANTS = {
                "            mean = buffer[start:start + sum(sizes)].to(out_dtype)"),
         Mutant(T_DIST, "        return self.numel * torch.empty((), dtype=self.dtype).element_size()",
                "        return self.numel * 4"),
+        # The summed row count read from the wrong slot: the union's mean divides by 1.
+        Mutant(T_DIST, "                        buffer[at].to(out_dtype)))", "                        buffer[at].to(out_dtype) * 0 + 1))"),
     ],
     "KT13": [
         Mutant(T_L, "    ok_g, fired_g = update(\"L_inv\", L, g_bar, s[\"updates_g\"] == 0, flag_g)",
@@ -293,6 +296,10 @@ MUTANTS = {
                "self.has_bias = module.bias is not None"),
     ],
     "PORT-PAIRING": [
+        # Shared-call pairing: the old rule (statistics dropped whenever .grad is None) moved
+        # to commit time drops every earlier call of a module used several times per forward.
+        Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
+               "        if layer.module.weight.grad is None:\n            # the gradient"),
         Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
                "        if False:\n            # the gradient"),
         Mutant(T_C, "        if st.settled and self._layer(name).module.weight.grad is None:",
@@ -302,6 +309,36 @@ MUTANTS = {
         Mutant(T_C, "                self._commit(layer, a_stat, mask, grad_rows(grad))",
                "                self._commit(layer, a_stat, None, grad_rows(grad))",
                equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
+    ],
+    "PORT-CHECKPOINT": [
+        # Recompute mask: a reentrant recompute reads the (finished) call's context, no mask.
+        Mutant(T_C, "            return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)",
+               "            return self._call"),
+        Mutant(T_C, "            ctx.regions = True  # a grad-free", "            ctx.regions = False  # a grad-free"),
+    ],
+    "PORT-MASKS": [
+        # Decoder mask: the decoder reads the encoder's attention_mask (the shape-based bug).
+        Mutant(T_TM, "                masks[\"decoder\"] = labels != -100",
+               "                masks[\"decoder\"] = _as_bool(main)"),
+        Mutant(T_TM, "            return \"encoder\"\n        return layer_source",
+               "            return layer_source\n        return layer_source"),
+        Mutant(T_TM, "            sources[layer.name] = \"encoder\"", "            sources[layer.name] = \"decoder\""),
+        Mutant(T_TM, "        if tuple(lead) != tuple(mask.shape):", "        if tuple(lead[:1]) != tuple(mask.shape[:1]):",
+               tests=("theory_tests/test_mkor_capture_construction.py::test_rows_that_cannot_be_matched_to_the_mask_are_all_used_and_listed",)),
+    ],
+    "PORT-ROWS": [
+        # Row counts across ranks: the mean of the ranks' means instead of the union's mean.
+        Mutant(T_DIST, "            a_bar = a_sum / rows.clamp(min=1)", "            a_bar = a_sum / world"),
+        Mutant(T_DIST, "        divide = world * world if self.average == \"double\" else world",
+               "        divide = world * world if self.average == \"double\" else 1"),
+        Mutant(T_K, "            A = A_sum / rows.clamp(min=1)", "            A = A_sum / world"),
+        Mutant(T_K, "            G = S_sum * samples / world / world / scale / scale",
+               "            G = S_sum * samples / world / scale / scale"),
+        Mutant(T_P, "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
+               "                    out.append((layer, None, None, False))",
+               "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
+               "                    out.append((layer, a_sum / 1, g, None))"),
+        Mutant(T_L, "        s[\"no_rows\"] = s[\"no_rows\"] + 1", "        s[\"no_rows\"] = s[\"no_rows\"] + 0"),
     ],
     "PORT-KFAC-ACCUM": [
         Mutant(R_K, "    g = samples * g\n", "    g = g\n", tests=("theory_tests/test_kfac_reference.py",)),
