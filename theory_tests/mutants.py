@@ -314,7 +314,10 @@ MUTANTS = {
         # Recompute mask: a reentrant recompute reads the (finished) call's context, no mask.
         Mutant(T_C, "            return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)",
                "            return self._call"),
-        Mutant(T_C, "            ctx.regions = True  # a grad-free", "            ctx.regions = False  # a grad-free"),
+        Mutant(T_C, "            self._call.regions = True  # a grad-free", "            self._call.regions = False  # a grad-free"),
+        Mutant(T_C, "                ctx.nested = True", "                ctx.nested = False"),
+        Mutant(T_C, "        ctx = (self._explicit if self._explicit is not None else",
+               "        ctx = (self._explicit if False else"),
     ],
     "PORT-MASKS": [
         # Decoder mask: the decoder reads the encoder's attention_mask (the shape-based bug).

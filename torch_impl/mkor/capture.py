@@ -29,7 +29,9 @@ the call's outputs and files every ``CheckpointFunctionBackward`` node under the
 :class:`~.token_masks.CallContext`; the recompute runs while the engine executes that very
 node (``torch._C._current_autograd_node()``), so each region finds its own call, however
 many calls share the backward. A region nested in another reentrant region gets its node
-only during the outer recompute: it is not filed, its layers use all their rows and are
+only during the outer recompute: the first gradient hook of that recompute files the nested
+regions upstream of its layer under the same call; a nested region with no hooked layer
+after it in the outer region is not filed, and its layers use all their rows and are
 reported (:attr:`Capture.unmasked`) when the call had masks, never guessed.
 
 **Stale statistics.** Statistics committed during a backward are *settled* when that
@@ -252,7 +254,8 @@ class Capture:
     def _model_pre_hook(self, module, args, kwargs):
         if _in_backward():
             return None
-        ctx = CallContext.from_call(kwargs, self.mask_kwarg, self._encoder is not None)
+        ctx = (self._explicit if self._explicit is not None else
+               CallContext.from_call(kwargs, self.mask_kwarg, self._encoder is not None))
         ctx.with_grad = torch.is_grad_enabled()
         self._masked_seen = self._masked_seen or bool(ctx.masks)
         self._call_stack.append(self._call)
@@ -294,9 +297,12 @@ class Capture:
             return False
         if torch.is_grad_enabled():
             return True
-        ctx = self._call
-        if ctx is not None and ctx.with_grad and not _in_backward():
-            ctx.regions = True  # a grad-free pass inside a call with grad: reentrant region
+        if _in_backward():  # the first pass of a region nested in a recompute
+            ctx = self._context()
+            if ctx is not None and ctx is not _UNKNOWN:
+                ctx.nested = True
+        elif self._call is not None and self._call.with_grad:
+            self._call.regions = True  # a grad-free pass inside a call with grad: reentrant
         return False
 
     def _input(self, layer, rows, mask):
@@ -345,6 +351,11 @@ class Capture:
                 return
 
             def lazy(grad):
+                if ctx is not None and ctx is not _UNKNOWN and ctx.nested:
+                    # regions nested in this recompute, upstream of this layer: file them
+                    ctx.nested = False
+                    for node in _checkpoint_nodes(output):
+                        self._regions.setdefault(node, ctx)
                 rows = rows_of()
                 mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
                 self._commit(layer, self._input(layer, rows, mask), mask, grad_rows(grad))

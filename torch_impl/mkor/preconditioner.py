@@ -80,8 +80,12 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             identity instead of being built (:mod:`.discovery`); None: no limit.
         token_mask: name of the model's forward keyword holding a (B, T) token mask
             (default ``"attention_mask"``, nonzero = real token): padded positions are kept
-            out of the statistics of every layer whose rows are (B, T) tokens. None: off.
-            :meth:`masked` sets a mask by hand.
+            out of the statistics. Which mask a layer reads follows from where it sits
+            (:mod:`.token_masks`: for an encoder-decoder model the decoder's layers read
+            ``decoder_attention_mask`` or ``labels != -100``), also in a checkpoint's
+            recompute; a layer whose rows cannot be matched to its mask uses all of them
+            and is listed in :attr:`unmasked_reasons`. None: off. :meth:`masked` sets a mask
+            by hand.
         grad_scaler: the ``torch.amp.GradScaler`` of the loop, if it calls
             ``scaler.unscale_(mkor)`` before ``scaler.step(mkor)`` (its scale is then read
             from it, sync-free); ``scaler.step`` alone needs nothing (:mod:`.wrapper`).

@@ -43,13 +43,14 @@ class CallContext:
     """The token masks of one forward call of the model, by source, and the storage key of
     the encoder's output (set when the encoder returns)."""
 
-    __slots__ = ("masks", "encoder_out", "with_grad", "regions")
+    __slots__ = ("masks", "encoder_out", "with_grad", "regions", "nested")
 
     def __init__(self, masks):
         self.masks = masks
         self.encoder_out = None
         self.with_grad = True   # the call ran with grad enabled
         self.regions = False    # a hooked layer ran without grad inside it (reentrant)
+        self.nested = False     # ... inside one of its recomputes (a nested region)
 
     @classmethod
     def from_call(cls, kwargs, mask_kwarg, encoder_decoder):
