@@ -26,6 +26,7 @@ R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mko
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
 T_TM = "torch_impl/mkor/token_masks.py"
+T_KC = "torch_impl/mkor/kfac_conventions.py"
 R_FO, T_LAMB = "reference/first_order.py", "torch_impl/mkor/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
 _POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
@@ -342,6 +343,17 @@ MUTANTS = {
                "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
                "                    out.append((layer, a_sum / 1, g, None))"),
         Mutant(T_L, "        s[\"no_rows\"] = s[\"no_rows\"] + 1", "        s[\"no_rows\"] = s[\"no_rows\"] + 0"),
+    ],
+    "KFAC-CONVENTIONS": [
+        Mutant(T_KC, "        return positions ** 2, batch ** 2 * positions ** 3",
+               "        return positions, batch ** 2 * positions ** 3"),
+        Mutant(T_KC, "    return 1, rows ** 2", "    return 1, rows"),
+        Mutant(T_KC, "        ours_damping = c * damping", "        ours_damping = damping"),
+        Mutant(T_KC, "        ours_kl = kl_clip * lr_0 ** 2 / (c * lr_kp ** 2)",
+               "        ours_kl = kl_clip * lr_0 / (c * lr_kp)"),
+        Mutant(T_KC, "            settings = {\"lr\": group[\"lr\"] * c}", "            settings = {\"lr\": group[\"lr\"]}"),
+        Mutant(T_K, "                    blends[key] = torch.where(first & (self.factor_init == \"batch\"), new,",
+               "                    blends[key] = torch.where(first, new,"),
     ],
     "PORT-KFAC-ACCUM": [
         Mutant(R_K, "    g = samples * g\n", "    g = g\n", tests=("theory_tests/test_kfac_reference.py",)),

@@ -17,6 +17,7 @@ from .factors import (
     stabilise, symmetrise)
 from .hybrid import LossRateSwitch
 from .kfac import KFAC
+from .kfac_conventions import KFACPytorchConversion, from_kfac_pytorch, kfac_pytorch_scales
 from .lamb import LAMB
 from .layers import (Conv2dType, HFConv1DType, LayerType, LinearType, layer_type_for,
                      layer_types, register_layer_type, unregister_layer_type)
@@ -31,4 +32,5 @@ __all__ = [
     "rank1_inverse_update", "max_entry_norm", "needs_stabilising", "stabilise",
     "reset_factor", "symmetrise", "factor_update", "precondition", "rescale",
     "linear_rank1_vectors", "conv2d_rank1_vectors", "unfold2d",
+    "from_kfac_pytorch", "kfac_pytorch_scales", "KFACPytorchConversion",
 ]
