@@ -40,6 +40,9 @@ MUTANTS = {
                "        return type(module) is nn.Linear\n"),
     ],
     "K2": [
+        # The hooks' gate refreshed before the step count advances: captures one step late.
+        Mutant(T_P, "        self._steps += 1\n        self._step_scale = None\n        self._capture.refresh()",
+               "        self._capture.refresh()\n        self._steps += 1\n        self._step_scale = None"),
         Mutant(R_M, "    return steps % inv_freq == 0 or steps < warmup_steps",
                "    return steps % inv_freq == 1 or steps < warmup_steps"),
         Mutant(T_P, "            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)",

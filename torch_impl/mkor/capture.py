@@ -53,8 +53,11 @@ and is listed with the reason in :attr:`Capture.unmasked`.
 **Rows that are not there.** A call with 0 rows commits a 0 count; the owner treats a
 layer without rows as absent ("no rows"), not as a non-finite update.
 
-**torch.compile.** The hooks are excluded from dynamo (``torch.compiler.disable``): a
-compiled model breaks its graph at each hooked call and runs the hook eagerly, instead of
+**torch.compile.** Every forward hook is a gate dynamo can trace (``capturing``, a bool
+the owner refreshes after each step from its schedule) in front of the hook proper, which
+is excluded from dynamo (``torch.compiler.disable``). On a step without capture a compiled
+model therefore traces straight through the hooks (one graph, guarded on the bool); on a
+capture step it breaks its graph at each hooked call and runs the hook eagerly, instead of
 compiling the hook once per layer (it closes over the layer) until dynamo's recompile
 limit.
 
@@ -229,6 +232,7 @@ class Capture:
         self._call_stack = []   # calls the model's current forward interrupted (nesting)
         self._masked_seen = False  # some call since the last reset had a token mask
         self._regions = {}      # CheckpointFunctionBackward node -> CallContext
+        self.capturing = False  # should_capture() as of the last refresh (the hooks' gate)
 
     # -- call contexts ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -441,16 +445,32 @@ class Capture:
                 self._committed(layer)
         return backward_hook
 
+    def refresh(self):
+        """Re-read the owner's schedule into :attr:`capturing`, the gate every forward hook
+        checks first (the owner calls this whenever its step count or state changes)."""
+        self.capturing = bool(self.should_capture())
+
+    def _gated(self, hook):
+        """``hook`` behind the traceable gate (module docstring, torch.compile)."""
+        inner = torch.compiler.disable(hook)
+
+        def gated(*args):
+            if not self.capturing:
+                return None
+            return inner(*args)
+        return gated
+
     def register(self):
         """Install the hooks (idempotent)."""
         if self._handles:
             return
         _silence_first_layer_warning()
-        disable = torch.compiler.disable
+        self.refresh()
+        disable, gate = torch.compiler.disable, self._gated
         for layer in self.layers:
             for target, kind, hook in self._make_hooks(layer):
                 if kind == "forward":
-                    handle = target.register_forward_hook(disable(hook), with_kwargs=True)
+                    handle = target.register_forward_hook(gate(hook), with_kwargs=True)
                 else:
                     handle = target.register_full_backward_hook(hook)
                 self._handles.append(handle)
@@ -463,12 +483,12 @@ class Capture:
                 disable(self._settle(names))))
         if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(
-                disable(self._model_pre_hook), with_kwargs=True))
+                gate(self._model_pre_hook), with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
-                disable(self._model_post_hook), with_kwargs=True, always_call=True))
+                gate(self._model_post_hook), with_kwargs=True, always_call=True))
         if self._encoder is not None:
             self._handles.append(self._encoder.register_forward_hook(
-                disable(self._encoder_hook), with_kwargs=True))
+                gate(self._encoder_hook), with_kwargs=True))
 
     def remove(self):
         """Remove every hook and drop all statistics."""

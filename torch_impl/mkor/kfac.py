@@ -452,3 +452,4 @@ class KFAC(PreconditionedOptimizer):
                 b.grad.copy_(V[:, -1])
         self._steps += 1
         self._step_scale = None
+        self._capture.refresh()  # the hooks' gate for the next step

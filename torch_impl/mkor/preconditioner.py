@@ -321,6 +321,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             self._precondition_layer(layer)
         self._steps += 1
         self._step_scale = None
+        self._capture.refresh()  # the hooks' gate for the next step
 
     # -- internals ----------------------------------------------------------------------
     def pending_sums(self):

@@ -268,5 +268,6 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
         except Exception:
             self.load_preconditioner_state_dict(backup)
             raise
+        self._capture.refresh()  # the restored step count decides the next capture
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
