@@ -339,7 +339,7 @@ class Capture:
         """Called when a forward's statistics are complete (for subclasses); ``counted``:
         :meth:`_captured` was called for it (not for a recompute's lazy statistic)."""
 
-    def _record(self, layer, module, x, rows_of, output, grad_rows):
+    def _record(self, layer, x, rows_of, output, grad_rows):
         """One call of ``layer``: its input statistic now (an ordinary forward) or in the
         gradient hook (a recompute during backward), paired with this call's gradient."""
         tensor_mode = self.grad_hook == "tensor"
@@ -347,7 +347,7 @@ class Capture:
         if _in_backward():
             if not tensor_mode:
                 if ctx is None or ctx is _UNKNOWN:
-                    return  # module mode pairs only recomputes of a recorded first pass
+                    return  # module mode: only a filed reentrant region's recompute
                 rows = rows_of()
                 mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
                 self._stats[layer.name].pending.append((self._input(layer, rows, mask), mask,
@@ -413,7 +413,7 @@ class Capture:
                                       "preconditioned_modules)", RuntimeWarning)
                     return
                 rows, grad_rows = self._mha_rows(layer, y, out)
-                self._record(layer, parent, _first_tensor(args, kwargs), lambda: rows, out,
+                self._record(layer, _first_tensor(args, kwargs), lambda: rows, out,
                              grad_rows)
 
             hooks = [(layer.parent, "forward", mha_hook)]
@@ -428,7 +428,7 @@ class Capture:
             x = _first_tensor(args, kwargs)
             if x is None:
                 return
-            self._record(layer, module, x, lambda: layer.type.input_rows(module, x), output,
+            self._record(layer, x, lambda: layer.type.input_rows(module, x), output,
                          lambda g: layer.type.grad_rows(module, g))
 
         hooks = [(module, "forward", forward_hook)]
