@@ -466,7 +466,7 @@ class Capture:
             return
         _silence_first_layer_warning()
         self.refresh()
-        disable, gate = torch.compiler.disable, self._gated
+        gate = self._gated
         for layer in self.layers:
             for target, kind, hook in self._make_hooks(layer):
                 if kind == "forward":
@@ -480,7 +480,7 @@ class Capture:
                 layer.name)
         for weight, names in by_weight.values():
             self._handles.append(weight.register_post_accumulate_grad_hook(
-                disable(self._settle(names))))
+                self._settle(names)))  # runs in the autograd engine, never traced
         if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(
                 gate(self._model_pre_hook), with_kwargs=True))
