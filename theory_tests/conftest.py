@@ -37,6 +37,21 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 # 2-core machine, measured ~10x slower), and results do not depend on the thread count.
 torch.set_num_threads(1)
 
+
+
+def pytest_addoption(parser, pluginmanager):
+    """pyproject's addopts run the suite on 2 xdist workers (``-n 2 --dist ...``). Where xdist
+    is not loaded (``-p no:xdist``), accept those two options and ignore them, so the run is
+    simply serial instead of an "unrecognized arguments" error. (``-n0`` also runs serially.)
+    """
+    if not pluginmanager.has_plugin("xdist"):
+        group = parser.getgroup("xdist", "xdist absent (-p no:xdist): -n and --dist are ignored")
+        # _addoption: a lower-case short option, as xdist itself registers -n
+        group._addoption("-n", "--numprocesses", dest="numprocesses", default=None,
+                         help="ignored: xdist is not loaded")
+        group.addoption("--dist", dest="dist", default="no", help="ignored: xdist is not loaded")
+
+
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
            pytest.mark.skipif(not CUDA, reason="no CUDA device present")])]

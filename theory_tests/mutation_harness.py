@@ -144,8 +144,10 @@ class Workspace:
         try:
             for path, text in mutated.items():
                 (self.dir / path).write_text(text)
+            # -n 0: in this process, no xdist workers (pyproject's addopts ask for 2); the
+            # harness already runs --jobs mutants in parallel.
             code, tail = self._pytest(["-x", "-q", "-p", "no:cacheprovider", "--no-header",
-                                       "-m", "not cuda", *_pytest_ids(tests)])
+                                       "-n", "0", "-m", "not cuda", *_pytest_ids(tests)])
         finally:
             for path, text in originals.items():
                 (self.dir / path).write_text(text)
