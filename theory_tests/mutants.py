@@ -306,7 +306,7 @@ MUTANTS = {
                "        if layer.module.weight.grad is None:\n            # the gradient"),
         Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
                "        if False:\n            # the gradient"),
-        Mutant(T_C, "        if st.settled and self._layer(name).module.weight.grad is None:",
+        Mutant(T_C, "        if st.settled and self._by_name[name].module.weight.grad is None:",
                "        if False:"),
         Mutant(T_V, "    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()",
                "    return rows.sum(dim=lead), mask.sum()"),

@@ -11,7 +11,7 @@ backbone, float64 unless the feature needs otherwise, batches of 4 with padding
 Tolerances: "bit-identical" (``torch.equal``) where both runs perform the same operations in
 the same order; ``REORDER_TOL`` (1e-10 of the largest parameter change, derived in
 :mod:`composition_cases`) where they compute the same function with sums in another order;
-statistics against the independent computation (:class:`~composition_cases.Observer`) within
+statistics against the independent computation (:class:`~composition_observer.Observer`) within
 the bound derived from the rows themselves (ratio <= 1).
 
 A fast subset (one cell per feature and per model, including the five cells of the bugs
@@ -149,7 +149,7 @@ def assert_oracle(result, numbers, key="oracle"):
 # -- plain ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model,kind", cells("plain"))
 def test_plain(model, kind, capsys):
-    """Reference: the independent computation (composition_cases.Observer: forward hooks and
+    """Reference: the independent computation (composition_observer.Observer: forward hooks and
     ``retain_grad``, none of torch_impl's capture code). Assertion: at every step, MKOR's
     ``pending_vectors()`` (a_bar, g_bar) / K-FAC's factor EMAs (A, G) of every preconditioned
     layer equal the Observer's within the rounding bound derived from the rows (sums of the

@@ -223,6 +223,7 @@ class Capture:
         self._sources, self._encoder = (mask_sources(model, self.layers) if model is not None
                                         else ({l.name: "tokens" for l in self.layers}, None))
         self._stats = {layer.name: _Stats() for layer in self.layers}
+        self._by_name = {layer.name: layer for layer in self.layers}
         self._handles = []
         self._warned = set()  # layers already warned about (once each)
         #: {layer name: why its rows were not selected by a token mask}
@@ -524,14 +525,10 @@ class Capture:
         st = self._stats[name]
         if st.a_sum is None or st.g_sum is None:
             return None
-        if st.settled and self._layer(name).module.weight.grad is None:
+        if st.settled and self._by_name[name].module.weight.grad is None:
             return None
         return st.a_sum, st.a_count, st.g_sum, st.g_count
 
-    def _layer(self, name):
-        if not hasattr(self, "_by_name"):
-            self._by_name = {l.name: l for l in self.layers}
-        return self._by_name[name]
 
     def unpaired(self):
         """Names of layers holding forwards that never received a gradient
