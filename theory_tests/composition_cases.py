@@ -41,12 +41,13 @@ PRECONDITIONERS = {"mkor": MKOR, "kfac": KFAC}
 
 def make_preconditioner(kind, model, lr=0.05, **kwargs):
     """MKOR (factor_dtype float64) or K-FAC on an SGD backbone (momentum 0.9) over the
-    trainable parameters, ``inv_freq=1``: a factor update at every step."""
+    trainable parameters, ``inv_freq=1`` unless given: a factor update at every step."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     if kind == "mkor":
         kwargs.setdefault("factor_dtype", "float64")
-    return PRECONDITIONERS[kind](model, opt, inv_freq=1, **kwargs)
+    kwargs.setdefault("inv_freq", 1)
+    return PRECONDITIONERS[kind](model, opt, **kwargs)
 
 
 def counters_of(pre):

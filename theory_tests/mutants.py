@@ -26,6 +26,7 @@ R_K, R_H, T_H = "reference/kfac.py", "reference/mkor_hybrid.py", "torch_impl/mko
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
 T_TM = "torch_impl/mkor/token_masks.py"
+T_EC = "torch_impl/mkor/eager_capture.py"
 T_KC = "torch_impl/mkor/kfac_conventions.py"
 R_FO, T_LAMB = "reference/first_order.py", "torch_impl/mkor/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
@@ -322,6 +323,16 @@ MUTANTS = {
         Mutant(T_C, "                ctx.nested = True", "                ctx.nested = False"),
         Mutant(T_C, "        ctx = (self._explicit if self._explicit is not None else",
                "        ctx = (self._explicit if False else"),
+    ],
+    "PORT-COMPILE": [
+        # A compiled capture step traced through the model: graph breaks at every layer hook.
+        Mutant(T_EC, "        if capture is not None and capture.capturing and torch.compiler.is_compiling():",
+               "        if False:"),
+        # A copy of the model keeps a route to the original's capture.
+        Mutant(T_EC, "        return _unrouted, (self.forward,)",
+               "        return EagerCaptureSteps, (self.capture, self.forward)"),
+        # remove() leaves a bound forward in the instance dict.
+        Mutant(T_EC, "            if self._had_own:", "            if True:"),
     ],
     "PORT-MASKS": [
         # Decoder mask: the decoder reads the encoder's attention_mask (the shape-based bug).

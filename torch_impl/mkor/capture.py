@@ -53,13 +53,13 @@ and is listed with the reason in :attr:`Capture.unmasked`.
 **Rows that are not there.** A call with 0 rows commits a 0 count; the owner treats a
 layer without rows as absent ("no rows"), not as a non-finite update.
 
-**torch.compile.** Every forward hook is a gate dynamo can trace (``capturing``, a bool
-the owner refreshes after each step from its schedule) in front of the hook proper, which
-is excluded from dynamo (``torch.compiler.disable``). On a step without capture a compiled
-model therefore traces straight through the hooks (one graph, guarded on the bool); on a
-capture step it breaks its graph at each hooked call and runs the hook eagerly, instead of
-compiling the hook once per layer (it closes over the layer) until dynamo's recompile
-limit.
+**torch.compile.** ``capturing`` (a bool the owner refreshes after each step from its
+schedule) is the gate. On a capture step the model's forward runs eagerly
+(:mod:`.eager_capture` routes it through ``torch.compiler.disable``), so the model's frames
+never resume after a graph break; on every other step a compiled model traces straight
+through the hooks (one graph, guarded on the bool). Every forward hook is itself the gate in
+front of the ``compiler.disable``d hook proper, for a hooked layer that a compiled caller
+reaches without going through the model's forward.
 
 **Precision.** Statistics are computed with autocast disabled, in the rows' dtype promoted
 to float32, so a bf16 forward never produces bf16 factors.
@@ -75,6 +75,7 @@ import weakref
 
 import torch
 
+from .eager_capture import EagerCaptureSteps
 from .token_masks import CallContext, mask_sources, storage_key
 
 __all__ = ["Capture", "HookedLayers"]
@@ -225,6 +226,7 @@ class Capture:
         self._stats = {layer.name: _Stats() for layer in self.layers}
         self._by_name = {layer.name: layer for layer in self.layers}
         self._handles = []
+        self._router = None     # the EagerCaptureSteps on model.forward while registered
         self._warned = set()  # layers already warned about (once each)
         #: {layer name: why its rows were not selected by a token mask}
         self.unmasked = {}
@@ -483,6 +485,7 @@ class Capture:
             self._handles.append(weight.register_post_accumulate_grad_hook(
                 self._settle(names)))  # runs in the autograd engine, never traced
         if self.model is not None:
+            self._router = EagerCaptureSteps.install(self.model, self)
             self._handles.append(self.model.register_forward_pre_hook(
                 gate(self._model_pre_hook), with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
@@ -496,6 +499,9 @@ class Capture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._router is not None:
+            self._router.uninstall(self.model)
+            self._router = None
         self.reset()
 
     @property
