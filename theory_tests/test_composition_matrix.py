@@ -36,6 +36,7 @@ import composition_cases as cc
 from composition_cases import (CASES, FEATURES, KINDS, MODELS, NOT_APPLICABLE, REORDER_TOL,
                                compare, describe, oracle_errors, run)
 from distributed_harness import run as run_ranks
+from dynamo_probe import compiled_graphs, disabled_calls
 from hf_cases import equal_factors, update_rel_err
 
 STEPS = 3
@@ -279,23 +280,9 @@ def _recompile_limit_hits():
 COMPILE_SCHEDULE = {"mkor": {"inv_freq": 2}, "kfac": {"inv_freq": 2, "factor_freq": 2}}
 
 
-def _compiled_graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def _disabled_calls():
-    """Names of the ``torch.compiler.disable``d functions dynamo broke its graph at."""
-    names = set()
-    for reason in torch._dynamo.utils.counters["graph_break"]:
-        match = re.search(r"Skip calling function `<function (\S+) at", reason)
-        if match:
-            names.add(match.group(1))
-    return sorted(names)
-
-
 def _compile_numbers(timer):
-    return dict(first_step_s=timer[0], compiled_step_s=timer[1], graphs=_compiled_graphs(),
-                disabled_calls=",".join(_disabled_calls()),
+    return dict(first_step_s=timer[0], compiled_step_s=timer[1], graphs=compiled_graphs(),
+                disabled_calls=",".join(sorted(disabled_calls())),
                 recompile_limit_hits=_recompile_limit_hits())
 
 

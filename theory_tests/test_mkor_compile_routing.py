@@ -6,7 +6,6 @@ graph breaks are the three around the model and never a layer's hook, and the ro
 invisible to what reads or copies ``model.forward`` (signature, deepcopy, removal)."""
 import copy
 import inspect
-import re
 import types
 
 import pytest
@@ -14,6 +13,8 @@ import torch
 import torch.nn as nn
 
 from torch_impl.mkor import KFAC, MKOR
+
+from dynamo_probe import compiled_graphs, disabled_calls
 
 f64 = torch.float64
 KINDS = {"mkor": MKOR, "kfac": KFAC}
@@ -50,15 +51,6 @@ def _train(kind, compiled, steps=3):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _disabled_calls():
-    names = set()
-    for reason in torch._dynamo.utils.counters["graph_break"]:
-        match = re.search(r"Skip calling function `<function (\S+) at", reason)
-        if match:
-            names.add(match.group(1))
-    return names
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_equals_eager_and_breaks_only_around_the_model(kind):
     """Three steps (capture, compiled, capture): parameters within 1e-12 of eager (float64;
@@ -69,8 +61,8 @@ def test_compiled_equals_eager_and_breaks_only_around_the_model(kind):
     torch._dynamo.utils.counters.clear()
     try:
         compiled = _train(kind, compiled=True)
-        disabled = _disabled_calls()
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        disabled = disabled_calls()
+        graphs = compiled_graphs()
     finally:
         torch._dynamo.reset()
     eager = _train(kind, compiled=False)
