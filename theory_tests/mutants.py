@@ -334,6 +334,23 @@ MUTANTS = {
         # remove() leaves a bound forward in the instance dict.
         Mutant(T_EC, "            if self._had_own:", "            if True:"),
     ],
+    "PORT-LAMB-SURFACE": [
+        Mutant(T_LAMB, "    return torch.view_as_real(t) if torch.is_complex(t) else t", "    return t"),
+        Mutant(T_LAMB, "                vs.append(_real(state[\"exp_avg_sq\"]))", "                vs.append(state[\"exp_avg_sq\"])"),
+        Mutant(T_LAMB, "            g = -g", "            g = g"),
+        Mutant(T_LAMB, "            gs = torch._foreach_neg(gs)", "            gs = gs"),
+        Mutant(T_LAMB, "            return group[\"foreach\"]", "            return False"),
+        Mutant(T_LAMB, "        torch._foreach_add_(denom, eps)", "        torch._foreach_add_(denom, 2 * eps)"),
+    ],
+    "PORT-COPY": [
+        Mutant(T_W, "    __reduce_ex__ = __reduce__ = __getstate__ = __copy__ = __deepcopy__ = _refuse_copy",
+               "    __copy__ = _refuse_copy"),
+        Mutant(T_C, "        return InertHook()", "        return self"),
+        Mutant(T_C, "    def __reduce__(self):", "    def _reduce_unused(self):"),
+        Mutant(T_C, "            hooks.append((module, \"backward\", BoundHook(self._module_backward, layer)))",
+               "            hooks.append((module, \"backward\", lambda *a: self._module_backward(layer, *a)))"),
+        Mutant("torch_impl/mkor/hybrid_switching.py", "class _LossTap(CopyInertHook):", "class _LossTap:"),
+    ],
     "PORT-MASKS": [
         # Decoder mask: the decoder reads the encoder's attention_mask (the shape-based bug).
         Mutant(T_TM, "                masks[\"decoder\"] = labels != -100",

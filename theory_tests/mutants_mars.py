@@ -121,7 +121,7 @@ MARS_MUTANTS = {
         Mutant(R_MARS, "    return m / ((np.sqrt(v) / np.sqrt(bc2) + eps) * bc1)",
                "    return m / ((np.sqrt(v) + eps) * bc1)"),
         Mutant(T_F, "    ops.div_(denom, h.sqrt_bc2)", "    ops.mul_(denom, h.sqrt_bc2)"),
-        Mutant(T_F, "    h.sqrt_bc2 = ops.each(lambda k: math.sqrt(1.0 - h.beta2**k), ks)",
+        Mutant(T_F, "    h.sqrt_bc2 = ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks)",
                "    h.sqrt_bc2 = ops.each(lambda k: 1.0 - h.beta2**k, ks)"),
         Mutant(T_OPS, "        torch._foreach_addcdiv_(x, a, b, s) if isinstance(s, list)",
                "        torch._foreach_addcmul_(x, a, b, s) if isinstance(s, list)"),
@@ -267,4 +267,40 @@ MARS_MUTANTS = {
         Mutant(R_MARS, "    return beta1 * m + (1.0 - beta1) * c", "    return beta1 * m + (1.0 - beta1) * c * beta1"),
     ],
     # ---------------------------------------------------------------- MT1-MT20: properties
+    # ---------------------------------------------------------------- torch.optim surface (issue 21)
+    "PORT-COMPILE-STEP": [
+        Mutant(T_F, "    return k if torch.compiler.is_compiling() else k.item()", "    return k.item()"),
+        Mutant(T_FN, "        compiled, foreach = False, False  # loop itself; counters stay tensors (_step_count)",
+               "        compiled, foreach = compiled, foreach  # loop itself; counters stay tensors (_step_count)"),
+    ],
+    "PORT-STATE-DTYPE": [
+        Mutant(T_MARS, "    dtypes = [torch.promote_types(p.dtype, group[\"state_dtype\"] or p.dtype) for p in params]",
+               "    dtypes = [group[\"state_dtype\"] or p.dtype for p in params]"),
+        Mutant(T_MARS, "                stored.copy_(working)", "                stored.copy_(stored)"),
+        Mutant(T_MARS, "        pre = self.register_load_state_dict_pre_hook(_shield_state_dtype)  # after the caller's",
+               "        pre = self.register_load_state_dict_pre_hook(_shield_state_dtype, prepend=True)  # after the caller's"),
+        Mutant(T_MARS, "        post = self.register_load_state_dict_post_hook(_unshield_state_dtype, prepend=True)",
+               "        post = self.register_load_state_dict_post_hook(_unshield_state_dtype, prepend=False)"),
+    ],
+    "PORT-ATOMIC": [
+        Mutant(T_MM, "        self._check_gradients()  # every group's, before the first group changes",
+               "        pass  # every group's, before the first group changes"),
+        Mutant(T_EX, "    opt._check_gradients()  # noqa: SLF001  (a first step's prev_param is not kept either)",
+               "    pass  # noqa: SLF001  (a first step's prev_param is not kept either)"),
+        Mutant("torch_impl/mkor/lamb.py", "                if p.grad is not None and p.grad.is_sparse:", "                if False:"),
+    ],
+    "PORT-EXACT-SCALER": [
+        Mutant(T_EX, "    inv_scale = scale.double().reciprocal().float()", "    inv_scale = torch.ones_like(scale)"),
+        Mutant(T_EX, "            t.masked_fill_(bad, 0.0)", "            pass"),
+        Mutant(T_EX, "    opt._previous_grad_scaled = grad_scaler is None and bool(stored)  # noqa: SLF001",
+               "    opt._previous_grad_scaled = False  # noqa: SLF001"),
+    ],
+    "PORT-TORCH-FLAGS": [
+        Mutant("torch_impl/validation.py", "    for flag, allowed in ((\"fused\", (None, False)), (\"capturable\", (False,)),",
+               "    for flag, allowed in ((\"fused\", (None, False, True)), (\"capturable\", (False,)),"),
+        Mutant(T_MARS, "    _check_torch_flags(\"MARS\", g)", "    pass"),
+        Mutant(T_MM, "    check_torch_flags(\"MARSM\", g)", "    pass"),
+        Mutant("torch_impl/mkor/lamb.py", "    check_torch_flags(\"LAMB\", group)", "    pass"),
+        Mutant("torch_impl/mkor/lamb.py", "            _check_group({**self.defaults, **param_group})", "            pass"),
+    ],
 }

@@ -9,7 +9,15 @@ iterate, obtained two ways.
 
 Both leave grad f(x_{t-1}, xi_t) in ``state["last_grad"]``; the update then runs as in approx
 mode, without overwriting ``last_grad`` with g_t.
+
+Under a ``torch.amp.GradScaler`` (which refuses closures) the authors' loop must hand the
+scaler to ``update_previous_grad(grad_scaler=...)``: the stored gradient is then unscaled like
+``.grad`` is by ``scaler.step``.  ``GradScaler.step`` reads ``_step_supports_amp_scaling`` on
+the optimizer just before stepping; the optimizers note it (``note_grad_scaler``) so that a
+loop that stored scaled gradients is warned about once (``warn_if_scaled_previous_grad``).
 """
+import warnings
+
 import torch
 
 
@@ -30,6 +38,13 @@ def evaluate_at_previous_then_current(opt, closure):
         opt.zero_grad(set_to_none=True)
         with torch.enable_grad():
             closure()
+        try:  # refuse an unsupported gradient before last_grad or prev_param change
+            opt._check_gradients()  # noqa: SLF001
+        except RuntimeError:
+            for p, x_now in zip(returning, current):
+                p.copy_(x_now)
+            _set_rng_state(rng)
+            raise
         for group in opt.param_groups:
             for p in group["params"]:
                 buf = opt.state[p].get("last_grad") if p in returning_set else None
@@ -46,6 +61,7 @@ def evaluate_at_previous_then_current(opt, closure):
     opt.zero_grad(set_to_none=True)
     with torch.enable_grad():
         loss = closure()
+    opt._check_gradients()  # noqa: SLF001  (a first step's prev_param is not kept either)
     for p in params:
         if "prev_param" not in opt.state[p] and p.grad is not None:
             opt.state[p]["prev_param"] = p.detach().clone()
@@ -53,10 +69,15 @@ def evaluate_at_previous_then_current(opt, closure):
 
 
 @torch.no_grad()
-def update_previous_grad(opt, keeps_last_grad):
+def update_previous_grad(opt, keeps_last_grad, grad_scaler=None):
     """``previous_grad`` <- a copy of ``p.grad`` (negated under maximize) for every parameter
     with a gradient that uses ``last_grad`` (``keeps_last_grad(p, group)``); parameters
-    without a gradient are skipped (the authors print a line for each).  No-op in approx mode."""
+    without a gradient are skipped (the authors print a line for each).  No-op in approx mode.
+
+    ``grad_scaler`` (an enabled ``torch.amp.GradScaler``): the copies are divided by its
+    current scale, a tensor (no host sync); if any of them is not finite, all of them become
+    0 (``unscale_stored``)."""
+    stored = []
     for group in opt.param_groups:
         if group["is_approx"]:
             continue
@@ -69,6 +90,61 @@ def update_previous_grad(opt, keeps_last_grad):
                 st["previous_grad"].copy_(g)
             else:
                 st["previous_grad"] = g.detach().clone(memory_format=torch.preserve_format)
+            stored.append(st["previous_grad"])
+    opt._previous_grad_scaled = grad_scaler is None and bool(stored)  # noqa: SLF001
+    if grad_scaler is not None and stored:
+        unscale_stored(stored, grad_scaler)
+
+
+def unscale_stored(tensors, grad_scaler):
+    """Divide ``tensors`` in place by ``grad_scaler``'s scale, the way ``GradScaler.unscale_``
+    divides ``.grad`` (its float32 reciprocal, taken in float64), then zero every one of them
+    if any is not finite.
+
+    Why zero all: the scaler skips a step when any gradient of the optimizer overflowed, and
+    drops that gradient; an overflowed g_prev cannot be dropped from a correction that needs
+    it, and copied into ``last_grad`` it would turn the next c_t, m and the parameters into
+    NaN.  g_prev = 0 is the recursion's own start (step 1), so the next step is an ordinary
+    first-step correction c = (1 + a) g, and ``update_last_grad`` stays a plain copy.  Nothing
+    is read on the host: the flag stays a tensor."""
+    scale = grad_scaler._get_scale_async() if grad_scaler.is_enabled() else None  # noqa: SLF001
+    if scale is None:  # disabled, or never used to scale: nothing was scaled
+        return
+    inv_scale = scale.double().reciprocal().float()
+    by_device = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    flags = []
+    for device, ts in by_device.items():
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        for dtype in {t.dtype for t in ts}:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [t for t in ts if t.dtype == dtype], found_inf, inv_scale.to(device))
+        flags.append(found_inf)
+    for device, ts in by_device.items():  # one flag for all (a copy only across devices)
+        bad = torch.stack([f.to(device) for f in flags]).sum() > 0
+        for t in ts:
+            t.masked_fill_(bad, 0.0)
+
+
+def note_grad_scaler(opt):
+    """``GradScaler.step`` is about to call ``opt.step()`` (it read
+    ``opt._step_supports_amp_scaling``)."""
+    opt._driven_by_grad_scaler = True  # noqa: SLF001
+
+
+def warn_if_scaled_previous_grad(opt):
+    """In ``step()`` of the authors' loop: warn once if a GradScaler drives this step while
+    ``update_previous_grad`` stored gradients without ``grad_scaler=``."""
+    driven = opt.__dict__.pop("_driven_by_grad_scaler", False)
+    if driven and getattr(opt, "_previous_grad_scaled", False) and \
+            not getattr(opt, "_warned_scaled_previous_grad", False):
+        opt._warned_scaled_previous_grad = True  # noqa: SLF001
+        warnings.warn(
+            f"{type(opt).__name__}: a GradScaler drives step(), but update_previous_grad() was "
+            "called without grad_scaler=, so previous_grad (g_prev of the exact correction) "
+            "holds the scaled gradient; call opt.update_previous_grad(grad_scaler=scaler)",
+            stacklevel=3)
 
 
 @torch.no_grad()

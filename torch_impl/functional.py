@@ -49,6 +49,8 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
               weight_decay_1d_source=weight_decay_1d_source)
     if not params:
         return
+    if torch.compiler.is_compiling():  # torch.compile(opt.step): Inductor fuses the traced
+        compiled, foreach = False, False  # loop itself; counters stay tensors (_step_count)
     torch._foreach_add_(state_steps, 1.0)  # one CPU kernel for every counter
     if maximize:
         grads = torch._foreach_neg(grads)
@@ -83,7 +85,7 @@ def _single_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, sha
     """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
     hypers = {kind: F.resolve_hyperparameters(hp, kind) for kind in set(kinds)}
     for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
-        h = F.with_bias_corrections(hypers[kind], k.item(), SINGLE)  # CPU counter: no sync
+        h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
         if kind == F.FALLBACK:  # (M14) on the raw gradient
             F.adamw_rule_(p, g, m, v, None, h, SINGLE)
             continue

@@ -1,5 +1,5 @@
 """``MARS``: variance-reduced preconditioned optimizer (arXiv 2411.10438) as a torch.optim.Optimizer."""
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -7,7 +7,7 @@ from torch.optim import Optimizer
 from . import exact_mode, functional
 from . import mars_functional as F
 from .validation import check_betas as _check_betas, check_choice as _check_choice, \
-    check_number as _check_number
+    check_number as _check_number, check_torch_flags as _check_torch_flags
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
@@ -76,11 +76,18 @@ class MARS(Optimizer):
         ns_dtype: dtype of the Newton-Schulz iteration. Default ``torch.bfloat16`` (official).
         weight_decay_1d_source: ``"constructor"`` (official: ``weight_decay_1d``) or
             ``"group"`` (the group's ``weight_decay``).
-        state_dtype: dtype of the optimizer state (e.g. ``torch.float32`` for bf16/fp16
-            parameters); the update is then computed in that dtype and rounded into the
-            parameter once.  Default ``None``: the parameter's own dtype.  The parameter is
-            still rounded to its dtype each step, so a step below half its ulp is lost
-            (keep float32 master weights when that matters).
+        state_dtype: the dtype the state (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+            ``last_grad``) is *stored* in.  A step computes in the wider of the parameter's
+            dtype and ``state_dtype`` (``torch.promote_types``: float32 for bf16 with fp16):
+            float32 parameters with bf16 state compute in float32 and store the new state
+            rounded to bf16; bf16 parameters with float32 state compute in a float32 working
+            copy of the parameter, written back once per step.  The parameter keeps its dtype
+            and is only ever rounded to that dtype (float32 parameters with ``lr=0`` do not
+            change at all), so a bf16 parameter still loses a step below half its ulp (keep
+            float32 master weights when that matters).  Exact mode's ``prev_param`` and
+            ``previous_grad`` keep the parameter's and the gradient's dtype.
+            ``load_state_dict`` keeps the state in ``state_dtype`` (torch would cast it to the
+            parameter's dtype).  Default ``None``: the parameter's own dtype.
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
         compiled (bool or str): ``True`` / ``"tensor"``: run each tensor's elementwise step as
@@ -96,6 +103,15 @@ class MARS(Optimizer):
             matrix.  MARS-Shampoo's s = sqrt(max(1, A/B)) is taken from the true (out, in)
             shape, so give a group of transformers ``Conv1D`` weights (stored in x out)
             ``shape_layout="in_out"``.
+        fused (None or False), capturable (False), differentiable (False): accepted, as other
+            ``torch.optim`` optimizers take them (torchtitan passes ``fused`` and ``foreach``),
+            and stored in every group; ``True`` raises a ValueError naming the keyword, in the
+            constructor and in any group dict (there is no fused kernel, the step reads CPU
+            step counters on the host, and it runs under ``torch.no_grad``).
+
+    ``torch.compile(opt.step)`` traces the whole step (``_init_group`` follows torch's
+    protocol: it fills the lists it is given), for every ``mars_type``, with or without
+    ``foreach`` and with ``compiled=``; exact mode's closure re-evaluation is eager Python.
 
     State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
@@ -115,7 +131,7 @@ class MARS(Optimizer):
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
                  state_dtype=None, maximize=False, foreach=None, compiled=False,
-                 shape_layout="out_in"):
+                 shape_layout="out_in", fused=None, capturable=False, differentiable=False):
         lr_value = _lr_value(lr)
         _check_number("lr_1d", lr_1d, low=0.0)
         if lr_value == 0.0 and lr_1d != 0.0:
@@ -130,7 +146,9 @@ class MARS(Optimizer):
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, maximize=maximize, foreach=foreach,
-                        compiled=compiled, shape_layout=shape_layout, differentiable=False)
+                        compiled=compiled, shape_layout=shape_layout, fused=fused,
+                        capturable=capturable, differentiable=differentiable)
+        _check_torch_flags("MARS", defaults)  # every group is checked again (add_param_group)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -166,16 +184,18 @@ class MARS(Optimizer):
     def load_state_dict(self, state_dict):
         """``Optimizer.load_state_dict``, keeping a ``state_dtype`` that differs from the
         parameter's dtype (torch casts every floating state tensor to the parameter's dtype,
-        which would round float32 state of a bf16 parameter)."""
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [(p, g["state_dtype"]) for g in self.param_groups for p in g["params"]]
-        for i, (p, dtype) in zip(saved_ids, params):
-            if dtype is None or i not in state_dict["state"]:
-                continue
-            for key, value in state_dict["state"][i].items():
-                if key not in ("step", "prev_param") and torch.is_tensor(value):
-                    self.state[p][key] = value.to(device=p.device, dtype=dtype)
+        which would round float32 state of a bf16 parameter).  The caller's
+        ``register_load_state_dict_pre_hook`` hooks run first and are honoured: the state is
+        taken from the dict they return, through torch's own id map: a pre-hook of ours, run
+        after theirs, wraps the state of every group with a ``state_dtype`` so that torch's
+        cast passes it by, and a post-hook, run before theirs, unwraps it in that dtype."""
+        pre = self.register_load_state_dict_pre_hook(_shield_state_dtype)  # after the caller's
+        post = self.register_load_state_dict_post_hook(_unshield_state_dtype, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -189,6 +209,7 @@ class MARS(Optimizer):
         exact = not self.param_groups[0]["is_approx"]
         if exact and closure is None and exact_mode.uses_authors_api(self):
             loss = None  # last_grad comes from update_last_grad() (the authors' loop)
+            exact_mode.warn_if_scaled_previous_grad(self)
         elif exact:
             if closure is None:
                 raise RuntimeError(
@@ -204,7 +225,14 @@ class MARS(Optimizer):
                 with torch.enable_grad():
                     loss = closure()
         self._check_gradients()
-        work = [self._init_group(group) for group in self.param_groups]
+        work = []
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = [], [], [], [], []
+            last_grads, steps, kinds, scales = [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                             last_grads, steps, kinds, scales)
+            work.append(_group_work(group, params, grads, exp_avgs, exp_avg_sqs,
+                                    max_exp_avg_sqs, last_grads, steps, kinds, scales))
         total = F.global_norm([n for group, w in zip(self.param_groups, work)
                                if group["clip_scope"] == "global"
                                for n in functional.corrected_norms(
@@ -215,9 +243,8 @@ class MARS(Optimizer):
                             w.last_grads, w.steps, w.kinds, write_last_grad=not exact,
                             global_clip_norm=total, shampoo_scales=w.scales,
                             **_functional_keywords(group))
-            for p, work_p in zip(w.originals, w.params):  # updated in a wider state_dtype?
-                if work_p is not p:
-                    p.copy_(work_p)
+            for stored, working in w.write_back:  # computed in a wider dtype than stored
+                stored.copy_(working)
         return loss
 
     def _check_gradients(self):
@@ -230,14 +257,14 @@ class MARS(Optimizer):
                     raise RuntimeError("MARS does not support complex parameters; optimize "
                                        "torch.view_as_real(p) as a real parameter instead")
 
-    def _init_group(self, group):
-        """The group's live tensors (grad not None) as parallel lists, creating state lazily.
+    def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                    last_grads, steps, kinds, scales):
+        """Append the group's live tensors (grad not None) to the given lists, creating state
+        lazily (torch.optim's protocol, which ``torch.compile`` runs eagerly at trace time).
 
-        With ``state_dtype`` wider than a parameter's dtype, ``params`` holds working copies in
-        that dtype (written back after the update) and ``grads`` the upcast gradients.
+        The tensors are the stored ones, in their own dtypes; ``_group_work`` makes the working
+        copies that a ``state_dtype`` different from a parameter's dtype needs.
         """
-        w = SimpleNamespace(params=[], originals=[], grads=[], exp_avgs=[], exp_avg_sqs=[],
-                            max_exp_avg_sqs=[], last_grads=[], steps=[], kinds=[], scales=[])
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -252,17 +279,15 @@ class MARS(Optimizer):
                     st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
-            w.params.append(p if dtype == p.dtype else p.detach().to(dtype))
-            w.originals.append(p)
-            w.grads.append(p.grad if dtype == p.dtype else p.grad.to(dtype))
-            for name, column in (("exp_avg", w.exp_avgs), ("exp_avg_sq", w.exp_avg_sqs),
-                                 ("max_exp_avg_sq", w.max_exp_avg_sqs),
-                                 ("last_grad", w.last_grads)):
+            params.append(p)
+            grads.append(p.grad)
+            for name, column in (("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
+                                 ("max_exp_avg_sq", max_exp_avg_sqs),
+                                 ("last_grad", last_grads)):
                 column.append(st.get(name) if name in buffers else None)
-            w.steps.append(st["step"])
-            w.kinds.append(kind)
-            w.scales.append(_true_shape_scale(p, group))
-        return w
+            steps.append(st["step"])
+            kinds.append(kind)
+            scales.append(_true_shape_scale(p, group))
 
     def _evaluate_at_previous_iterate_then_current(self, closure):
         """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t
@@ -274,16 +299,132 @@ class MARS(Optimizer):
         """The first group's gamma (``train_mars.py`` reads ``optimizer.gamma``)."""
         return self.param_groups[0]["gamma"]
 
-    def update_previous_grad(self):
+    def update_previous_grad(self, *, grad_scaler=None):
         """The authors' exact-mode API, step 1 of their loop: keep the gradient now in ``.grad``
         (the *next* batch at the current point) as ``previous_grad``.  No-op in approx mode.
-        The closure form of ``step`` is the recommended one (README, "Exact mode")."""
-        exact_mode.update_previous_grad(self, lambda p, group: F.route(
+        The closure form of ``step`` is the recommended one (README, "Exact mode"), but torch
+        refuses closures under a ``GradScaler``; there, pass the scaler::
+
+            scaler.scale(loss_fn(model, next_batch)).backward()
+            opt.update_previous_grad(grad_scaler=scaler)   # stores grad / scale
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss_fn(model, batch)).backward()
+            scaler.step(opt)                                # unscales .grad, may skip
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            opt.update_last_grad()
+
+        ``grad_scaler``: the ``torch.amp.GradScaler`` that scaled this backward; the stored
+        gradient is divided by its current scale (read as a tensor: no host sync).  If any
+        stored gradient is not finite (the scale overflowed, the case where the scaler would
+        skip a step), every tensor's ``previous_grad`` of this call is set to 0: the next step
+        takes g_prev = 0, the start of the recursion (step 1's c = (1 + a) g), rather than a
+        correction from a gradient that was never finite.  Without ``grad_scaler`` the scaled
+        gradient would be stored and the correction would be off by the loss scale; ``step``
+        warns once when it sees a GradScaler drive it after such a call."""
+        keeps_last_grad = (lambda p, group: F.route(
             p.shape, group["mars_type"], group["optimize_1d"]) != F.FALLBACK)
+        exact_mode.update_previous_grad(self, keeps_last_grad, grad_scaler=grad_scaler)
 
     def update_last_grad(self):
         """The authors' exact-mode API, after ``step``: ``last_grad`` <- ``previous_grad``."""
         exact_mode.update_last_grad(self)
+
+    @property
+    def _step_supports_amp_scaling(self):
+        """Read by ``GradScaler.step`` just before it calls ``step()``: notes that a scaler
+        drives this step (for the authors' loop warning); False, as for any optimizer that
+        leaves unscaling and inf-skipping to the scaler."""
+        exact_mode.note_grad_scaler(self)
+        return False
+
+
+class _GroupWork(NamedTuple):
+    """One group's columns for ``functional.mars``, in the step's compute dtype, and the
+    (stored, working) pairs to copy back after the update."""
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    max_exp_avg_sqs: list
+    last_grads: list
+    steps: list
+    kinds: list
+    scales: list
+    write_back: list
+
+
+def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads,
+                steps, kinds, scales):
+    """The columns in each tensor's compute dtype, the wider of the parameter's dtype and
+    ``state_dtype``: working copies where a stored tensor is narrower (written back, rounded to
+    the stored dtype, after the update); gradients are only read."""
+    write_back = []
+    dtypes = [torch.promote_types(p.dtype, group["state_dtype"] or p.dtype) for p in params]
+    columns = [_working_copies(c, dtypes, write_back)
+               for c in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads)]
+    grads = _working_copies(grads, dtypes, None)
+    return _GroupWork(columns[0], grads, columns[1], columns[2], columns[3], columns[4], steps,
+                      kinds, scales, write_back)
+
+
+class _Shielded:
+    """A state tensor passing through ``Optimizer.load_state_dict`` uncast: torch casts
+    tensors (and the contents of dicts and iterables) to the parameter's dtype, not this."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _keeps_state_dtype(key, value):
+    """A state entry stored in ``state_dtype``: not ``step`` (a CPU counter), ``prev_param``
+    (x_{t-1}, the parameter's dtype) or ``previous_grad`` (a copy of ``.grad``)."""
+    return key not in ("step", "prev_param", "previous_grad") and torch.is_tensor(value) and \
+        value.is_floating_point()
+
+
+def _shield_state_dtype(optimizer, state_dict):
+    """Load pre-hook (the last one): the state of saved groups with a ``state_dtype`` shielded
+    from torch's cast; the dict the caller's hooks returned, ids as they left them."""
+    state = dict(state_dict["state"])
+    for group in state_dict["param_groups"]:
+        dtype = group.get("state_dtype")
+        for i in group["params"]:
+            if dtype is None or i not in state_dict["state"]:
+                continue
+            state[i] = {key: _Shielded(value) if _keeps_state_dtype(key, value) else value
+                        for key, value in state[i].items()}
+    return {**state_dict, "state": state}
+
+
+def _unshield_state_dtype(optimizer):
+    """Load post-hook (the first one): each parameter's shielded state on its device, in its
+    group's ``state_dtype`` (the loaded group's: torch takes the saved hyperparameters)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p not in optimizer.state:
+                continue
+            st = optimizer.state[p]
+            for key, value in st.items():
+                if isinstance(value, _Shielded):
+                    st[key] = value.tensor.to(device=p.device,
+                                              dtype=group["state_dtype"] or p.dtype)
+
+
+def _working_copies(column, dtypes, write_back):
+    """``column`` with each tensor in ``dtypes[i]``: itself when it already is, else a copy,
+    recorded as (stored, copy) in ``write_back`` (``None``: a read-only column)."""
+    out = []
+    for t, dtype in zip(column, dtypes):
+        if t is not None and t.dtype != dtype:
+            copy = t.to(dtype)
+            if write_back is not None:
+                write_back.append((t, copy))
+            t = copy
+        out.append(t)
+    return out
+
 
 def _functional_keywords(group):
     """The group's hyperparameters as ``functional.mars`` keywords (read at every step)."""
@@ -341,8 +482,7 @@ def _validate_group(g):
         raise ValueError(f"amsgrad: {g['mars_type']} keeps no second moment on these tensors "
                          "(only the AdamW rule does: mars-adamw, or mars-shampoo's non-2-D "
                          "tensors with optimize_1d=True), so amsgrad=True would be ignored")
-    if g["differentiable"]:
-        raise ValueError("differentiable: MARS does not support differentiable=True")
+    _check_torch_flags("MARS", g)
     if g["foreach"] not in (None, True, False):
         raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:

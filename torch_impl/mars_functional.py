@@ -71,15 +71,30 @@ def resolve_hyperparameters(hp, kind):
 
 
 def with_bias_corrections(h, ks, ops):
-    """``h`` with bc1 = 1 - beta1^k and sqrt(bc2) for step(s) ``ks`` (CPU numbers)."""
+    """``h`` with bc1 = 1 - beta1^k and sqrt(bc2) for step(s) ``ks`` (CPU numbers, or 0-d
+    tensors while ``torch.compile`` traces the step: ``_step_count``)."""
     h.bc1 = ops.each(lambda k: 1.0 - h.beta1**k, ks)
-    h.sqrt_bc2 = ops.each(lambda k: math.sqrt(1.0 - h.beta2**k), ks)
+    h.sqrt_bc2 = ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks)
     return h
 
 
+def _sqrt(x):
+    return x.sqrt() if torch.is_tensor(x) else math.sqrt(x)
+
+
+def _step_count(k):
+    """A CPU step counter as the bias corrections take it: a Python number (a host read of a
+    CPU tensor, no device sync), or the tensor itself while ``torch.compile`` traces the step
+    (``torch.compile(opt.step)``), where a number would be a graph break and a new constant,
+    hence a recompilation, at every step."""
+    return k if torch.compiler.is_compiling() else k.item()
+
+
 def _number(lr):
-    """A tensor lr (as torch.optim accepts) read as a number: it lives on the CPU."""
-    return lr.item() if torch.is_tensor(lr) else lr
+    """A tensor lr (as torch.optim accepts) read as a number: it lives on the CPU.  While
+    ``torch.compile`` traces the step it stays a tensor, so that a scheduler writing into it
+    does not recompile (torch's advice for compiled optimizers)."""
+    return lr.item() if torch.is_tensor(lr) and not torch.compiler.is_compiling() else lr
 
 
 # ------------------------------------------------------------------ equations (2.1-2.4)

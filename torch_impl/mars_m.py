@@ -1,14 +1,12 @@
 """``MARSM``: MARS on Muon (arXiv 2510.21800) as a torch.optim.Optimizer, and ``MARS_M`` /
 ``MARS_M_Efficient``, the same optimizer behind the authors' constructor keywords."""
-from types import SimpleNamespace
-
 import torch
 from torch.optim import Optimizer
 
 from . import exact_mode
 from . import mars_m_functional as M
 from .mars_m_functional import mars_m
-from .validation import check_betas, check_choice, check_number
+from .validation import check_betas, check_choice, check_number, check_torch_flags
 
 RULES = ("auto", "mars_m", "adamw")
 SHAPE_LAYOUTS = ("out_in", "in_out")
@@ -60,6 +58,12 @@ class MARSM(Optimizer):
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
         compiled (bool): one ``torch.compile``d call per tensor (``mars_m_compiled.py``; the
             same equation functions), fusing the correction with Newton-Schulz and the update.
+        fused (None or False), capturable (False), differentiable (False): accepted and stored
+            in every group, as other ``torch.optim`` optimizers take them; ``True`` raises a
+            ValueError naming the keyword, in the constructor and in any group dict.
+
+    ``torch.compile(opt.step)`` traces the step (``_init_group`` follows torch's protocol).
+    A step checks every group's gradients (sparse, complex) before it changes anything.
 
     State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
     ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
@@ -75,12 +79,15 @@ class MARSM(Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, ns_steps=5,
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
-                 shape_layout="out_in", maximize=False, foreach=None, compiled=False):
+                 shape_layout="out_in", maximize=False, foreach=None, compiled=False,
+                 fused=None, capturable=False, differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                         gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
                         shape_layout=shape_layout, maximize=maximize, foreach=foreach,
-                        compiled=compiled, differentiable=False)
+                        compiled=compiled, fused=fused, capturable=capturable,
+                        differentiable=differentiable)
+        check_torch_flags("MARSM", defaults)  # every group is checked again (add_param_group)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -118,6 +125,7 @@ class MARSM(Optimizer):
         exact = not self.param_groups[0]["is_approx"]
         if exact and closure is None and exact_mode.uses_authors_api(self):
             loss = None
+            exact_mode.warn_if_scaled_previous_grad(self)
         elif exact:
             if closure is None:
                 raise RuntimeError(
@@ -131,31 +139,48 @@ class MARSM(Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+        self._check_gradients()  # every group's, before the first group changes
         for group in self.param_groups:
-            w = self._init_group(group)
-            mars_m(w.params, w.grads, w.bufs, w.lasts, w.m1, w.m2, w.steps, w.kinds,
+            params, grads, bufs, lasts, m1, m2, steps, kinds = [], [], [], [], [], [], [], []
+            self._init_group(group, params, grads, bufs, lasts, m1, m2, steps, kinds)
+            mars_m(params, grads, bufs, lasts, m1, m2, steps, kinds,
                    write_last_grad=not exact, **{k: group[k] for k in _KEYWORDS})
         return loss
 
-    def update_previous_grad(self):
+    def _check_gradients(self):
+        """Reject unsupported inputs before any state changes, so a bad step loses nothing."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("MARSM does not support sparse gradients")
+                if p.grad is not None and torch.is_complex(p):
+                    raise RuntimeError("MARSM does not support complex parameters")
+
+    def update_previous_grad(self, *, grad_scaler=None):
         """The authors' exact loop: ``previous_grad`` <- ``.grad`` of the matrices (MARS-M
-        with ``last_grad``), computed on the *next* batch at the current point."""
-        exact_mode.update_previous_grad(self, lambda p, group: _kind(p, group) == M.MATRIX)
+        with ``last_grad``), computed on the *next* batch at the current point.
+        ``grad_scaler``: the ``torch.amp.GradScaler`` of a mixed-precision loop, whose scale
+        the stored gradient is divided by (a non-finite one is stored as 0); see
+        ``MARS.update_previous_grad`` for the loop and the reasons."""
+        exact_mode.update_previous_grad(self, lambda p, group: _kind(p, group) == M.MATRIX,
+                                        grad_scaler=grad_scaler)
 
     def update_last_grad(self):
         """The authors' exact loop, after ``step``: ``last_grad`` <- ``previous_grad``."""
         exact_mode.update_last_grad(self)
 
-    def _init_group(self, group):
-        w = SimpleNamespace(params=[], grads=[], bufs=[], lasts=[], m1=[], m2=[], steps=[],
-                            kinds=[])
+    @property
+    def _step_supports_amp_scaling(self):
+        """Read by ``GradScaler.step`` before it calls ``step()`` (see ``MARS``)."""
+        exact_mode.note_grad_scaler(self)
+        return False
+
+    def _init_group(self, group, params, grads, bufs, lasts, m1, m2, steps, kinds):
+        """Append the group's live tensors to the given lists, creating state lazily
+        (torch.optim's protocol, run eagerly at trace time under ``torch.compile``)."""
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MARSM does not support sparse gradients")
-            if torch.is_complex(p):
-                raise RuntimeError("MARSM does not support complex parameters")
             kind, st = _kind(p, group), self.state[p]
             names = {M.MATRIX: ("momentum_buffer", "last_grad"), M.EFFICIENT: ("momentum_buffer",),
                      M.BACKUP: ("moment1", "moment2")}[kind]
@@ -164,15 +189,14 @@ class MARSM(Optimizer):
                     st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
-            w.params.append(p)
-            w.grads.append(p.grad)
-            w.bufs.append(st.get("momentum_buffer"))
-            w.lasts.append(st.get("last_grad"))
-            w.m1.append(st.get("moment1"))
-            w.m2.append(st.get("moment2"))
-            w.steps.append(st["step"])
-            w.kinds.append(kind)
-        return w
+            params.append(p)
+            grads.append(p.grad)
+            bufs.append(st.get("momentum_buffer"))
+            lasts.append(st.get("last_grad"))
+            m1.append(st.get("moment1"))
+            m2.append(st.get("moment2"))
+            steps.append(st["step"])
+            kinds.append(kind)
 
 
 _KEYWORDS = ("lr", "weight_decay", "momentum", "gamma", "ns_steps", "ns_dtype", "clip_c",
@@ -220,8 +244,7 @@ def _validate_group(g):
         raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
     if not isinstance(g["compiled"], bool):
         raise ValueError(f"compiled: expected a bool, got {g['compiled']!r}")
-    if g["differentiable"]:
-        raise ValueError("differentiable: MARSM does not support differentiable=True")
+    check_torch_flags("MARSM", g)
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
         raise ValueError(f"ns_steps: expected an int >= 1, got {g['ns_steps']!r}")
     if g["efficient"] and not g["is_approx"]:

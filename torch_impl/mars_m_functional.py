@@ -106,6 +106,8 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
         grads = torch._foreach_neg(grads)
     if shape_scales is None:
         shape_scales = [None] * len(params)
+    if torch.compiler.is_compiling():  # torch.compile(opt.step): the traced loop is fused
+        compiled, foreach = False, False
     if foreach is None:
         foreach = bool(params) and all(p.is_cuda for p in params)
     columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
@@ -157,4 +159,5 @@ def _backup(rows, h, foreach):
         backup_adamw_step_(*([r[i] for r in rows] for i in (0, 1, 4, 5)), h, FOREACH)
         return
     for p, g, _, _, m, v, k, _, _ in rows:
-        backup_adamw_step_(p, g, m, v, F.with_bias_corrections(h, k.item(), SINGLE), SINGLE)
+        backup_adamw_step_(p, g, m, v, F.with_bias_corrections(h, F._step_count(k), SINGLE),
+                           SINGLE)

@@ -1,6 +1,5 @@
 """Hyperparameter validation shared by the optimizers: each failure is a ``ValueError`` that
 names the argument (torch.optim's convention)."""
-import torch
 
 
 def check_number(name, value, low=None, high=None, high_open=False):
@@ -22,3 +21,23 @@ def check_betas(name, betas):
 def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+TORCH_FLAG_ADVICE = {
+    "fused": "no fused kernel; use foreach=True or compiled=...",
+    "capturable": "the step reads its CPU step counters on the host, which a CUDA graph "
+                  "cannot capture",
+    "differentiable": "the step runs under torch.no_grad and updates in place",
+}
+
+
+def check_torch_flags(owner, g):
+    """The keywords other ``torch.optim`` optimizers take: ``fused`` None/False,
+    ``capturable`` and ``differentiable`` False are accepted, ``True`` (or any other value)
+    raises, naming the keyword, so that a group asking for them is never silently ignored."""
+    for flag, allowed in (("fused", (None, False)), ("capturable", (False,)),
+                          ("differentiable", (False,))):
+        value = g.get(flag, False)
+        if not any(value is a for a in allowed):
+            raise ValueError(f"{owner}: {flag}={value!r} is not supported "
+                             f"({TORCH_FLAG_ADVICE[flag]})")

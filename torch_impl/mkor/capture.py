@@ -61,6 +61,14 @@ through the hooks (one graph, guarded on the bool). Every forward hook is itself
 front of the ``compiler.disable``d hook proper, for a hooked layer that a compiled caller
 reaches without going through the model's forward.
 
+**Copies of the model.** Every hook installed on the model, its modules or its parameters is
+a :class:`CopyInertHook`: a small callable object that ``copy.deepcopy``, ``copy.copy`` and
+``pickle`` turn into :class:`InertHook`, which does nothing. A copy of the model (EMA,
+``torch.optim.swa_utils.AveragedModel``, ``torch.save(model)``) therefore carries only inert
+hooks: running it never feeds the original's statistics, and the preconditioner's closures
+never have to be pickled. (The preconditioner itself refuses to be copied: see
+:mod:`.wrapper`.)
+
 **Precision.** Statistics are computed with autocast disabled, in the rows' dtype promoted
 to float32, so a bf16 forward never produces bf16 factors.
 
@@ -78,7 +86,7 @@ import torch
 from .eager_capture import EagerCaptureSteps
 from .token_masks import CallContext, mask_sources, storage_key
 
-__all__ = ["Capture", "HookedLayers"]
+__all__ = ["Capture", "HookedLayers", "CopyInertHook", "InertHook", "BoundHook"]
 
 
 def _silence_first_layer_warning():
@@ -168,6 +176,55 @@ def _first_tensor(args, kwargs):
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+class InertHook:
+    """What a copied or unpickled :class:`CopyInertHook` becomes: a hook that does nothing
+    (returns None, whatever it is called with)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+class CopyInertHook:
+    """Base of every hook a preconditioner installs on a model, its modules or its
+    parameters: a module-level callable object, so the model stays picklable, and one whose
+    copies (``copy.deepcopy``, ``copy.copy``, ``pickle``) are :class:`InertHook`, so a copy
+    of the model never reaches the original's statistics (module docstring)."""
+
+    def __reduce__(self):
+        return InertHook, ()
+
+    def __deepcopy__(self, memo):
+        return InertHook()
+
+
+class BoundHook(CopyInertHook):
+    """``fn(*bound, *args)`` as a copy-inert hook (for hooks that run in the autograd engine
+    or eagerly; the forward hooks dynamo traces are :class:`_Gated`)."""
+
+    def __init__(self, fn, *bound):
+        self.fn, self.bound = fn, bound
+
+    def __call__(self, *args):
+        return self.fn(*self.bound, *args)
+
+
+class _Gated(CopyInertHook):
+    """A forward (pre-)hook behind the traceable gate (module docstring, torch.compile): a
+    bool read, then the ``compiler.disable``d hook proper. Under torch.compile a step
+    without capture traces this to nothing."""
+
+    def __init__(self, capture, hook):
+        self.capture = capture
+        self.inner = torch.compiler.disable(hook)
+
+    def __call__(self, *args):
+        if not self.capture.capturing:
+            return None
+        return self.inner(*args)
 
 
 class _Stats:
@@ -329,11 +386,11 @@ class Capture:
         st.a_sum, st.a_count = _add(st.a_sum, a), st.a_count + a_count
         st.g_sum, st.g_count = _add(st.g_sum, g_stat), st.g_count + g_count
 
-    def _settle(self, names):
-        def hook(param):
-            for name in names:
-                self._stats[name].settled = True
-        return hook
+    def _settle(self, names, param):
+        """Post-accumulate-grad hook of a weight: the statistics of the layers ``names``
+        committed so far went into its ``.grad``."""
+        for name in names:
+            self._stats[name].settled = True
 
     def _captured(self, layer):
         """Called when a forward's input statistic is recorded (for subclasses)."""
@@ -421,7 +478,7 @@ class Capture:
 
             hooks = [(layer.parent, "forward", mha_hook)]
             if self.grad_hook == "module":
-                hooks.append((layer.parent, "backward", self._module_backward(layer)))
+                hooks.append((layer.parent, "backward", BoundHook(self._module_backward, layer)))
             return hooks
 
         def forward_hook(module, args, kwargs, output):
@@ -436,17 +493,16 @@ class Capture:
 
         hooks = [(module, "forward", forward_hook)]
         if self.grad_hook == "module":
-            hooks.append((module, "backward", self._module_backward(layer)))
+            hooks.append((module, "backward", BoundHook(self._module_backward, layer)))
         return hooks
 
-    def _module_backward(self, layer):
-        def backward_hook(module, grad_input, grad_output):
-            st = self._stats[layer.name]
-            if module.training and grad_output[0] is not None and st.pending:
-                a_stat, mask, grad_rows = st.pending.pop()
-                self._commit(layer, a_stat, mask, grad_rows(grad_output[0]))
-                self._committed(layer)
-        return backward_hook
+    def _module_backward(self, layer, module, grad_input, grad_output):
+        """Full backward hook of ``layer`` (``grad_hook="module"``)."""
+        st = self._stats[layer.name]
+        if module.training and grad_output[0] is not None and st.pending:
+            a_stat, mask, grad_rows = st.pending.pop()
+            self._commit(layer, a_stat, mask, grad_rows(grad_output[0]))
+            self._committed(layer)
 
     def refresh(self):
         """Re-read the owner's schedule into :attr:`capturing`, the gate every forward hook
@@ -454,14 +510,9 @@ class Capture:
         self.capturing = bool(self.should_capture())
 
     def _gated(self, hook):
-        """``hook`` behind the traceable gate (module docstring, torch.compile)."""
-        inner = torch.compiler.disable(hook)
-
-        def gated(*args):
-            if not self.capturing:
-                return None
-            return inner(*args)
-        return gated
+        """``hook`` behind the traceable gate (module docstring, torch.compile); the
+        ``_make_hooks`` closures are held only here, never installed or copied bare."""
+        return _Gated(self, hook)
 
     def register(self):
         """Install the hooks (idempotent)."""
@@ -483,7 +534,7 @@ class Capture:
                 layer.name)
         for weight, names in by_weight.values():
             self._handles.append(weight.register_post_accumulate_grad_hook(
-                self._settle(names)))  # runs in the autograd engine, never traced
+                BoundHook(self._settle, names)))  # runs in the autograd engine, never traced
         if self.model is not None:
             self._router = EagerCaptureSteps.install(self.model, self)
             self._handles.append(self.model.register_forward_pre_hook(

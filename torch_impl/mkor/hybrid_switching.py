@@ -2,10 +2,23 @@
 feed that brings it each step's loss, and the one-way hand-over to the backbone."""
 import torch
 
+from .capture import CopyInertHook
 from .distributed import mean_over_ranks, world_size
 from .hybrid import LossFeed, LossRateSwitch
 
 __all__ = ["HybridSwitching"]
+
+
+class _LossTap(CopyInertHook):
+    """The model's forward hook that hands a train-mode output's loss to the feed (a copy of
+    the model gets an inert hook, never a tap into this feed)."""
+
+    def __init__(self, feed):
+        self.feed = feed
+
+    def __call__(self, module, args, output):
+        if module.training and torch.is_grad_enabled():
+            self.feed.tap(output)
 
 
 class HybridSwitching:
@@ -24,12 +37,7 @@ class HybridSwitching:
         self._fed_by_hand = False  # observe_loss() was called since the last step
         self._tap_handle = None
         if o.hybrid_switch == "loss_rate":
-            feed = self._feed
-
-            def tap(module, args, output):
-                if module.training and torch.is_grad_enabled():
-                    feed.tap(output)
-            self._tap_handle = model.register_forward_hook(tap)
+            self._tap_handle = model.register_forward_hook(_LossTap(self._feed))
 
     @property
     def switched(self):

@@ -23,6 +23,13 @@ captured output-gradient statistics by that scale. If the gradients were already
 same model detaches the older one (with a warning), :meth:`remove` (or leaving a
 ``with`` block) detaches them by hand, and hooks of a preconditioner that is garbage
 collected go with it, so pasting a setup twice never leaves two hook sets.
+
+**Copies.** A preconditioner is bound to its model's modules by hooks, so it cannot be
+copied or pickled: ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` of it (or of
+anything holding it) raise ``TypeError`` at once. Its checkpoint is :meth:`state_dict`: save
+it with the model's, build a new preconditioner on the copied or loaded model, and
+``load_state_dict``. The model alone copies and pickles freely; its copy carries inert hooks
+(:mod:`.capture`).
 """
 import warnings
 import weakref
@@ -45,6 +52,16 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _state_key = "preconditioner"
+
+    # -- no copies: hooks on the model (module docstring) ----------------------------------
+    def _refuse_copy(self, *args):
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} holds hooks on its model and cannot be copied or pickled. To copy or save "
+            f"it, save {name.lower()}.state_dict() (and the model's state_dict()), build a new "
+            f"{name} on the copied or loaded model, and call its load_state_dict(...)")
+
+    __reduce_ex__ = __reduce__ = __getstate__ = __copy__ = __deepcopy__ = _refuse_copy
 
     # -- the Optimizer attributes are the backbone's ------------------------------------
     @property
