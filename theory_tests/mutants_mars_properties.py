@@ -53,8 +53,9 @@ MARS_PROPERTY_MUTANTS = {
         # spec B1: last_grad keeps c~ (or c) instead of the raw g
         Mutant(R_MARS, "            self.last_grad = [g.copy() for g in grads]  # the raw g",
                "            self.last_grad = [g.copy() if c is None else c.copy() for g, c in zip(grads, corrected)]  # the raw g"),
-        Mutant(T_FN, "            last.copy_(g)", "            last.copy_(c)"),
-        Mutant(T_FN, "            FOREACH.copy_(lasts, gs)", "            FOREACH.copy_(lasts, cs)"),
+        Mutant(T_FN, "for step t+1\n            last.copy_(g)", "for step t+1\n            last.copy_(c)"),
+        Mutant(T_FN, "        if write_last:\n            FOREACH.copy_(lasts, gs)",
+               "        if write_last:\n            FOREACH.copy_(lasts, cs)"),
         Mutant(T_C, "    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)\n    if write_last:\n        last.copy_(g)",
                "    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)\n    if write_last:\n        last.copy_(c)",
                tests=COMPILED_MARS),

@@ -8,9 +8,12 @@ kernels; all three run the same equation functions (``mars_functional``, ``mars_
 """
 import torch
 
-from . import mars_compiled
+from . import mars_compiled, mars_m_compiled
 from . import mars_functional as F
-from .mars_m_functional import mars_m  # noqa: F401  (re-exported)
+from .mars_m_functional import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
+                                efficient_argument, efficient_buffer_, mars_m_direction,
+                                mars_m_momentum_, mars_m_step_, match_rms_scale,
+                                resolve_hyperparameters)
 from .tensor_ops import FOREACH, SINGLE
 
 __all__ = ["mars", "mars_m", "corrected_norms", "default_foreach"]
@@ -133,3 +136,79 @@ def _multi_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, sham
             F.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h, FOREACH)
         if write_last:
             FOREACH.copy_(lasts, gs)
+
+
+def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, state_steps,
+           kinds, *, lr, weight_decay, momentum, gamma, ns_steps=5, ns_dtype=torch.bfloat16,
+           clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
+           maximize=False, foreach=None, compiled=False, write_last_grad=True):
+    r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
+
+    ``kinds[i]``: "mars_m", "mars_m_efficient" or "adamw".  Buffers that a kind does not keep
+    are ``None``.  ``shape_scales[i]`` overrides 0.2 sqrt(max(A, B)) (``None``: p's shape).
+    ``state_steps`` (CPU tensors) are incremented here.  ``compiled``: one
+    ``torch.compile``d call per tensor (``mars_m_compiled``), the same equations.
+    """
+    if not params:
+        return
+    hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, gamma=gamma,
+              adamw_betas=adamw_betas, adamw_eps=adamw_eps)
+    torch._foreach_add_(state_steps, 1.0)
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if shape_scales is None:
+        shape_scales = [None] * len(params)
+    if torch.compiler.is_compiling():  # torch.compile(opt.step): the traced loop is fused
+        compiled, foreach = False, False
+    if foreach is None:
+        foreach = default_foreach(params)
+    columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
+                       state_steps, kinds, shape_scales))
+    if compiled:
+        mars_m_compiled.update(columns, hp, clip_c, ns_steps, ns_dtype, write_last_grad)
+        return
+    for kind in (MATRIX, EFFICIENT, BACKUP):
+        rows = [r for r in columns if r[7] == kind]
+        if not rows:
+            continue
+        h = resolve_hyperparameters(hp, kind)
+        if kind == BACKUP:
+            _mars_m_backup(rows, h, foreach)
+        else:
+            _mars_m_matrices(rows, h, kind, gamma, clip_c, ns_steps, ns_dtype, foreach, write_last_grad)
+
+
+def _mars_m_matrices(rows, h, kind, gamma, clip, ns_steps, ns_dtype, foreach, write_last):
+    ps, gs, bufs, lasts = ([r[i] for r in rows] for i in range(4))
+    if kind == EFFICIENT:
+        if foreach:
+            efficient_buffer_(bufs, gs, gamma, h.beta1, FOREACH)
+        else:
+            for b, g in zip(bufs, gs):
+                efficient_buffer_(b, g, gamma, h.beta1, SINGLE)
+        args = [efficient_argument(b, g, gamma, h.beta1) for b, g in zip(bufs, gs)]
+    elif foreach:
+        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)
+    else:
+        args = [mars_m_momentum_(b, g, last, h, clip, SINGLE) for b, g, last in zip(bufs, gs, lasts)]
+    for p, m, r in zip(ps, args, rows):  # Newton-Schulz: one matrix function per matrix
+        scale = match_rms_scale(p.shape) if r[8] is None else r[8]
+        if p.numel():
+            mars_m_step_(p, mars_m_direction(m, ns_steps, ns_dtype), h, scale)
+    if write_last and kind == MATRIX:  # the raw g_t, copied (never an alias of p.grad)
+        if foreach:
+            FOREACH.copy_(lasts, gs)
+        else:
+            for last, g in zip(lasts, gs):
+                last.copy_(g)
+
+
+def _mars_m_backup(rows, h, foreach):
+    if foreach:
+        ks = [r[6].item() for r in rows]  # CPU counters: no sync
+        F.with_bias_corrections(h, ks, FOREACH)
+        backup_adamw_step_(*([r[i] for r in rows] for i in (0, 1, 4, 5)), h, FOREACH)
+        return
+    for p, g, _, _, m, v, k, _, _ in rows:
+        backup_adamw_step_(p, g, m, v, F.with_bias_corrections(h, F._step_count(k), SINGLE),
+                           SINGLE)

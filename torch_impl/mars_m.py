@@ -5,7 +5,7 @@ from torch.optim import Optimizer
 
 from . import exact_mode
 from . import mars_m_functional as M
-from .mars_m_functional import mars_m
+from .functional import mars_m
 from .validation import check_betas, check_choice, check_number, check_torch_flags
 
 RULES = ("auto", "mars_m", "adamw")
