@@ -1,5 +1,5 @@
-"""MARS-M update math in PyTorch, one function per equation (mirrors ``reference/mars_m.py``),
-and the functional entry point ``mars_m``.
+"""MARS-M update math in PyTorch, one function per equation (mirrors ``reference/mars_m.py``);
+the list driver ``mars_m`` that runs them is ``functional.mars_m``.
 
 The elementwise equations run under ``SINGLE`` (one tensor) or ``FOREACH`` (lists) ops, as in
 ``mars_functional``; Newton-Schulz is a matrix function, called once per matrix.  The MARS
