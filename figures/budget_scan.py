@@ -336,7 +336,7 @@ _VERDICT_MARK = " (paired 95 % t intervals, nats: "  # in every verdict line, in
 
 def redraw(path):
     """Recompute effects, verdict notes, PNG and summary.md from the saved JSON at ``path``."""
-    from .__main__ import write_summary
+    from .cli import write_summary
 
     path = pathlib.Path(path)
     meta = json.loads(path.read_text())

@@ -408,4 +408,4 @@ for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS):
 if __name__ == "__main__":  # python -m theory_tests.mutants [--jobs 2] [--only ID ...]
     from mutation_harness import main
 
-    sys.exit(main())
+    sys.exit(main(MUTANTS))

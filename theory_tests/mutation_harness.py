@@ -34,8 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "theory_tests"))
 
-from mutants import MUTANTS  # noqa: E402
-from test_claims_index import TARGET_RE, claim_rows  # noqa: E402
+from claims_table import TARGET_RE, claim_rows  # noqa: E402
 
 COPIED = ("reference", "torch_impl", "theory_tests", "figures", "paper_notes", "pyproject.toml",
           "README.md")
@@ -161,14 +160,16 @@ class Workspace:
                     seconds=time.perf_counter() - start)
 
 
-def main(argv=None):
+def main(mutants, argv=None):
+    """Run ``mutants`` ({claim id: [Mutant]}, ``mutants.MUTANTS``); the command line is
+    ``python -m theory_tests.mutants``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", nargs="*", help="claim ids to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    todo = [(row, i, m) for row, ms in MUTANTS.items() for i, m in enumerate(ms)
+    todo = [(row, i, m) for row, ms in mutants.items() for i, m in enumerate(ms)
             if not args.only or row in args.only]
     if args.list:
         for row, i, m in todo:
@@ -217,6 +218,3 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

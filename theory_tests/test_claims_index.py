@@ -23,13 +23,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from claims_table import NONE, ROOT, TARGET_RE, claim_rows
+
 NOTES = ROOT / "paper_notes"
-CLAIMS = NOTES / "claims.md"
 SOURCES = [NOTES / "mars.md", NOTES / "mkor.md"]
 TESTS = ROOT / "theory_tests"
-HEADER = ["id", "claim", "source", "reference", "torch", "test"]
-NONE = "—"
 
 ID_RE = re.compile(
     r"\bMT\d+(?:\([a-f]\))?"                       # MT13, MT13(c)
@@ -38,36 +36,10 @@ ID_RE = re.compile(
     r"|\b(?:Algorithm|Alg\.) ?1,? lines? \d+(?:\s*[-–]\s*\d+)?")  # Algorithm 1 line 7, lines 5-6
 ID_RANGE_RE = re.compile(r"\b(MT|KT|M|K)(\d+)\s*[–-]\s*\1(\d+)\b")  # K2–K14
 ALG_RE = re.compile(r"lines? (\d+)(?:\s*[-–]\s*(\d+))?")
-TARGET_RE = re.compile(r"`([^`]*)`")
 ROW_ID_RE = re.compile(r"^[A-Za-z0-9.()\-–]+$")
 
 
 # ---------------------------------------------------------------------- parsing
-
-def split_row(line):
-    """Cells of a Markdown table line; ``\\|`` is a literal bar inside a cell."""
-    cells = re.split(r"(?<!\\)\|", line.strip())
-    assert cells[0] == "" and cells[-1] == "", f"a table line must start and end with |: {line!r}"
-    return [c.strip().replace("\\|", "|") for c in cells[1:-1]]
-
-
-@functools.lru_cache(maxsize=None)
-def claim_rows():
-    lines = CLAIMS.read_text(encoding="utf-8").splitlines()
-    numbered = [(i, l) for i, l in enumerate(lines) if l.startswith("|")]
-    assert numbered, "claims.md has no table"
-    first = numbered[0][0]
-    assert [i for i, _ in numbered] == list(range(first, first + len(numbered))), \
-        "claims.md must hold exactly one table (contiguous | lines)"
-    assert split_row(numbered[0][1]) == HEADER
-    assert all(re.fullmatch(r":?-+:?", c) for c in split_row(numbered[1][1]))
-    rows = []
-    for i, line in numbered[2:]:
-        cells = split_row(line)
-        assert len(cells) == len(HEADER), f"claims.md line {i + 1}: {len(cells)} cells"
-        rows.append(dict(zip(HEADER, cells), line=i + 1))
-    return rows
-
 
 def ids_in(text):
     """Every claim id in ``text``, normalised: 'Algorithm 1 line N' per line, ranges expanded."""

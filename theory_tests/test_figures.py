@@ -9,7 +9,7 @@ import socket
 import numpy as np
 import pytest
 
-from figures import __main__ as cli
+from figures import cli
 from figures import common as C
 from figures import data
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from figures import __main__ as cli
+from figures import cli
 from figures import bert_mlm as B
 from figures import common as C
 from figures import rank1_approximation as R

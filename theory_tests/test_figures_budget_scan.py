@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from figures import __main__ as cli
+from figures import cli
 from figures import budget_scan as B
 from figures import budget_sweep as S
 from figures import common as C

@@ -4,8 +4,7 @@ import sys
 
 import pytest
 
-from figures import __main__ as cli
-from figures import workers
+from figures import cli
 
 
 @pytest.fixture
@@ -30,11 +29,11 @@ def test_a_figure_that_cannot_be_built_exits_non_zero(tmp_path, broken_figure):
 
 
 def test_a_worker_reports_blocked_and_raises_on_any_other_exit(tmp_path, broken_figure):
-    """``workers.build`` (what each --jobs worker runs) returns the figure's BLOCKED line,
+    """``cli.build`` (what each --jobs worker runs) returns the figure's BLOCKED line,
     so the parent fails the command; any other exit is an error with the worker's output."""
-    lines = workers.build("broken_for_test", [
+    lines = cli.build("broken_for_test", [
         "--tiny", "--only", "broken_for_test", "--out", str(tmp_path), "--no-progress",
         "--no-summary"])
     assert len(lines) == 1 and "BLOCKED" in lines[0] and "a_data_package" in lines[0]
     with pytest.raises(RuntimeError, match="exited"):
-        workers.build("noisy_quadratic", ["--tiny", "--jobs", "0"])
+        cli.build("noisy_quadratic", ["--tiny", "--jobs", "0"])

