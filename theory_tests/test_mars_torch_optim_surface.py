@@ -68,23 +68,28 @@ DEFAULT_COMPILE = [("adamw-single", "inductor")] + [
 SLOW_COMPILE = [(name, "inductor") for name in COMPILE_CASES if name != "adamw-single"]
 
 
-def _compiled_against_eager(name, backend):
+def _compiled_against_eager(name, backend, lr=0.02, seeds=(11, 3), after_step=None):
     """``COMPILE_STEPS`` steps of ``torch.compile(opt.step)`` next to the same optimizer run
-    eagerly with ``compiled=False`` (the ``compiled=`` options are the same equations)."""
+    eagerly with ``compiled=False`` (the ``compiled=`` options are the same equations);
+    ``lr`` a callable gives each optimizer its own (tensor) lr; ``after_step(t, optimizers)``
+    runs after both steps of step t."""
     cls, kw = COMPILE_CASES[name]
     eager_kw = dict(kw, compiled=False) if "compiled" in kw else kw
     torch._dynamo.reset()
     counters.clear()
-    eager_params = make_params(COMPILE_SHAPES, seed=11, dtype=F32)
+    eager_params = make_params(COMPILE_SHAPES, seed=seeds[0], dtype=F32)
     params = clone_params(eager_params)
-    eager, opt = cls(eager_params, lr=0.02, **eager_kw), cls(params, lr=0.02, **kw)
+    rate = lr if callable(lr) else (lambda: lr)
+    eager, opt = cls(eager_params, lr=rate(), **eager_kw), cls(params, lr=rate(), **kw)
     step = torch.compile(opt.step, backend=backend)
     for t in range(COMPILE_STEPS):
-        grads = _grads(t, COMPILE_SHAPES, seed=3)
+        grads = _grads(t, COMPILE_SHAPES, seed=seeds[1])
         feed(eager, eager_params, grads)
         for p, g in zip(params, grads):
             p.grad = g.clone()
         step()
+        if after_step is not None:
+            after_step(t, (eager, opt))
     return eager_params, eager, params, opt
 
 
@@ -127,20 +132,13 @@ def test_torch_compile_of_step_equals_eager_inductor(name, backend):
 def test_torch_compile_of_step_with_a_tensor_lr_schedule_does_not_recompile():
     """A tensor lr changed in place between steps (torch's advice for compiled optimizers with
     a scheduler) is read as a tensor in the graph: one graph for every lr."""
-    torch._dynamo.reset()
-    counters.clear()
-    eager_params = make_params(COMPILE_SHAPES, seed=12, dtype=F32)
-    params = clone_params(eager_params)
-    eager, opt = MARS(eager_params, lr=torch.tensor(0.02)), MARS(params, lr=torch.tensor(0.02))
-    step = torch.compile(opt.step, backend="aot_eager")
-    for t in range(COMPILE_STEPS):
-        grads = _grads(t, COMPILE_SHAPES, seed=4)
-        feed(eager, eager_params, grads)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        step()
-        for o in (eager, opt):
+    def schedule(t, optimizers):
+        for o in optimizers:
             o.param_groups[0]["lr"].fill_(0.02 / (t + 2))
+
+    eager_params, _, params, _ = _compiled_against_eager(
+        "adamw-single", "aot_eager", lr=lambda: torch.tensor(0.02), seeds=(12, 4),
+        after_step=schedule)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
     for p, q in zip(params, eager_params):  # as above: a few ulps of |p| per step
         torch.testing.assert_close(p, q, rtol=0, atol=COMPILE_STEPS * 4 * EPS32 * 4)
