@@ -27,6 +27,7 @@ T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
 T_TM = "torch_impl/mkor/token_masks.py"
 T_EC = "torch_impl/mkor/eager_capture.py"
+T_HO = "torch_impl/mkor/hook_objects.py"
 T_KC = "torch_impl/mkor/kfac_conventions.py"
 R_FO, T_LAMB = "reference/first_order.py", "torch_impl/mkor/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
@@ -345,8 +346,8 @@ MUTANTS = {
     "PORT-COPY": [
         Mutant(T_W, "    __reduce_ex__ = __reduce__ = __getstate__ = __copy__ = __deepcopy__ = _refuse_copy",
                "    __copy__ = _refuse_copy"),
-        Mutant(T_C, "        return InertHook()", "        return self"),
-        Mutant(T_C, "    def __reduce__(self):", "    def _reduce_unused(self):"),
+        Mutant(T_HO, "        return InertHook()", "        return self"),
+        Mutant(T_HO, "    def __reduce__(self):", "    def _reduce_unused(self):"),
         Mutant(T_C, "            hooks.append((module, \"backward\", BoundHook(self._module_backward, layer)))",
                "            hooks.append((module, \"backward\", lambda *a: self._module_backward(layer, *a)))"),
         Mutant("torch_impl/mkor/hybrid_switching.py", "class _LossTap(CopyInertHook):", "class _LossTap:"),

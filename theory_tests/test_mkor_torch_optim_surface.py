@@ -19,7 +19,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from torch_impl.mkor import KFAC, LAMB, MKOR
 from torch_impl.mkor import lamb as lamb_module
-from torch_impl.mkor.capture import InertHook
+from torch_impl.mkor.hook_objects import InertHook
 
 f64 = torch.float64
 

@@ -62,12 +62,8 @@ front of the ``compiler.disable``d hook proper, for a hooked layer that a compil
 reaches without going through the model's forward.
 
 **Copies of the model.** Every hook installed on the model, its modules or its parameters is
-a :class:`CopyInertHook`: a small callable object that ``copy.deepcopy``, ``copy.copy`` and
-``pickle`` turn into :class:`InertHook`, which does nothing. A copy of the model (EMA,
-``torch.optim.swa_utils.AveragedModel``, ``torch.save(model)``) therefore carries only inert
-hooks: running it never feeds the original's statistics, and the preconditioner's closures
-never have to be pickled. (The preconditioner itself refuses to be copied: see
-:mod:`.wrapper`.)
+a :mod:`.hook_objects` callable whose copies are inert: a copy of the model never feeds the
+original's statistics. (The preconditioner itself refuses to be copied: see :mod:`.wrapper`.)
 
 **Precision.** Statistics are computed with autocast disabled, in the rows' dtype promoted
 to float32, so a bf16 forward never produces bf16 factors.
@@ -84,9 +80,10 @@ import weakref
 import torch
 
 from .eager_capture import EagerCaptureSteps
+from .hook_objects import BoundHook, Gated
 from .token_masks import CallContext, mask_sources, storage_key
 
-__all__ = ["Capture", "HookedLayers", "CopyInertHook", "InertHook", "BoundHook"]
+__all__ = ["Capture", "HookedLayers"]
 
 
 def _silence_first_layer_warning():
@@ -176,55 +173,6 @@ def _first_tensor(args, kwargs):
         if isinstance(value, torch.Tensor):
             return value
     return None
-
-
-class InertHook:
-    """What a copied or unpickled :class:`CopyInertHook` becomes: a hook that does nothing
-    (returns None, whatever it is called with)."""
-
-    __slots__ = ()
-
-    def __call__(self, *args, **kwargs):
-        return None
-
-
-class CopyInertHook:
-    """Base of every hook a preconditioner installs on a model, its modules or its
-    parameters: a module-level callable object, so the model stays picklable, and one whose
-    copies (``copy.deepcopy``, ``copy.copy``, ``pickle``) are :class:`InertHook`, so a copy
-    of the model never reaches the original's statistics (module docstring)."""
-
-    def __reduce__(self):
-        return InertHook, ()
-
-    def __deepcopy__(self, memo):
-        return InertHook()
-
-
-class BoundHook(CopyInertHook):
-    """``fn(*bound, *args)`` as a copy-inert hook (for hooks that run in the autograd engine
-    or eagerly; the forward hooks dynamo traces are :class:`_Gated`)."""
-
-    def __init__(self, fn, *bound):
-        self.fn, self.bound = fn, bound
-
-    def __call__(self, *args):
-        return self.fn(*self.bound, *args)
-
-
-class _Gated(CopyInertHook):
-    """A forward (pre-)hook behind the traceable gate (module docstring, torch.compile): a
-    bool read, then the ``compiler.disable``d hook proper. Under torch.compile a step
-    without capture traces this to nothing."""
-
-    def __init__(self, capture, hook):
-        self.capture = capture
-        self.inner = torch.compiler.disable(hook)
-
-    def __call__(self, *args):
-        if not self.capture.capturing:
-            return None
-        return self.inner(*args)
 
 
 class _Stats:
@@ -512,7 +460,7 @@ class Capture:
     def _gated(self, hook):
         """``hook`` behind the traceable gate (module docstring, torch.compile); the
         ``_make_hooks`` closures are held only here, never installed or copied bare."""
-        return _Gated(self, hook)
+        return Gated(self, hook)
 
     def register(self):
         """Install the hooks (idempotent)."""

@@ -2,7 +2,7 @@
 feed that brings it each step's loss, and the one-way hand-over to the backbone."""
 import torch
 
-from .capture import CopyInertHook
+from .hook_objects import CopyInertHook
 from .distributed import mean_over_ranks, world_size
 from .hybrid import LossFeed, LossRateSwitch
 
