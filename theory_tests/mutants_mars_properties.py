@@ -158,7 +158,7 @@ MARS_PROPERTY_MUTANTS = {
     "MT19": [
         Mutant(T_MARS, '            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []',
                '            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK, F.LION) else []'),
-        Mutant(T_MARS, '            if dtype is None or i not in state_dict["state"]:',
+        Mutant("torch_impl/state_dtype.py", '            if dtype is None or i not in state_dict["state"]:',
                '            if dtype is not None or i not in state_dict["state"]:'),
         Mutant(T_MARS, '                st["step"] = torch.tensor(float(st["step"]))',
                '                st["step"] = st["step"]'),

@@ -6,6 +6,7 @@ from torch.optim import Optimizer
 
 from . import exact_mode, functional
 from . import mars_functional as F
+from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from .validation import check_betas as _check_betas, check_choice as _check_choice, \
     check_number as _check_number, check_torch_flags as _check_torch_flags
 
@@ -189,8 +190,8 @@ class MARS(Optimizer):
         taken from the dict they return, through torch's own id map: a pre-hook of ours, run
         after theirs, wraps the state of every group with a ``state_dtype`` so that torch's
         cast passes it by, and a post-hook, run before theirs, unwraps it in that dtype."""
-        pre = self.register_load_state_dict_pre_hook(_shield_state_dtype)  # after the caller's
-        post = self.register_load_state_dict_post_hook(_unshield_state_dtype, prepend=True)
+        pre = self.register_load_state_dict_pre_hook(shield_state_dtype)  # after the caller's
+        post = self.register_load_state_dict_post_hook(unshield_state_dtype, prepend=True)
         try:
             super().load_state_dict(state_dict)
         finally:
@@ -361,69 +362,11 @@ def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, la
     the stored dtype, after the update); gradients are only read."""
     write_back = []
     dtypes = [torch.promote_types(p.dtype, group["state_dtype"] or p.dtype) for p in params]
-    columns = [_working_copies(c, dtypes, write_back)
+    columns = [working_copies(c, dtypes, write_back)
                for c in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads)]
-    grads = _working_copies(grads, dtypes, None)
+    grads = working_copies(grads, dtypes, None)
     return _GroupWork(columns[0], grads, columns[1], columns[2], columns[3], columns[4], steps,
                       kinds, scales, write_back)
-
-
-class _Shielded:
-    """A state tensor passing through ``Optimizer.load_state_dict`` uncast: torch casts
-    tensors (and the contents of dicts and iterables) to the parameter's dtype, not this."""
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-def _keeps_state_dtype(key, value):
-    """A state entry stored in ``state_dtype``: not ``step`` (a CPU counter), ``prev_param``
-    (x_{t-1}, the parameter's dtype) or ``previous_grad`` (a copy of ``.grad``)."""
-    return key not in ("step", "prev_param", "previous_grad") and torch.is_tensor(value) and \
-        value.is_floating_point()
-
-
-def _shield_state_dtype(optimizer, state_dict):
-    """Load pre-hook (the last one): the state of saved groups with a ``state_dtype`` shielded
-    from torch's cast; the dict the caller's hooks returned, ids as they left them."""
-    state = dict(state_dict["state"])
-    for group in state_dict["param_groups"]:
-        dtype = group.get("state_dtype")
-        for i in group["params"]:
-            if dtype is None or i not in state_dict["state"]:
-                continue
-            state[i] = {key: _Shielded(value) if _keeps_state_dtype(key, value) else value
-                        for key, value in state[i].items()}
-    return {**state_dict, "state": state}
-
-
-def _unshield_state_dtype(optimizer):
-    """Load post-hook (the first one): each parameter's shielded state on its device, in its
-    group's ``state_dtype`` (the loaded group's: torch takes the saved hyperparameters)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p not in optimizer.state:
-                continue
-            st = optimizer.state[p]
-            for key, value in st.items():
-                if isinstance(value, _Shielded):
-                    st[key] = value.tensor.to(device=p.device,
-                                              dtype=group["state_dtype"] or p.dtype)
-
-
-def _working_copies(column, dtypes, write_back):
-    """``column`` with each tensor in ``dtypes[i]``: itself when it already is, else a copy,
-    recorded as (stored, copy) in ``write_back`` (``None``: a read-only column)."""
-    out = []
-    for t, dtype in zip(column, dtypes):
-        if t is not None and t.dtype != dtype:
-            copy = t.to(dtype)
-            if write_back is not None:
-                write_back.append((t, copy))
-            t = copy
-        out.append(t)
-    return out
 
 
 def _functional_keywords(group):
