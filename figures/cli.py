@@ -2,8 +2,8 @@
 ``summary.md``.
 
 Quick mode (default) runs on a CPU in about 5 minutes with the learning rates committed in
-``figures/tuned_lr.json`` (swept at the quick budgets); ``--full`` runs the paper-quality
-budgets and sweeps every learning rate itself, writing ``figures/tuned_lr_full.json``;
+``figures/out/quick/tuned_lr.json`` (swept at the quick budgets); ``--full`` runs the paper-quality
+budgets and sweeps every learning rate itself, writing ``figures/out/full/tuned_lr.json``;
 ``--tune`` sweeps at the chosen mode's budget.
 """
 import argparse
@@ -44,7 +44,9 @@ def parse(argv):
                    help=f"build only this figure (repeatable): {', '.join(FIGURES)}")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     p.add_argument("--seeds", type=int, default=None, help="seeds per curve (default by mode)")
-    p.add_argument("--out", default=str(C.HERE), help="output folder (default: figures/)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: figures/out/quick, figures/out/full with --full, "
+                        "figures/out/tiny with --tiny)")
     p.add_argument("--tune", action="store_true",
                    help="sweep every lr at this mode's budget (implied by --full) and write "
                         "the tuned JSON")
@@ -52,7 +54,7 @@ def parse(argv):
                    help="with --tune: re-tune only these curve labels, keep the rest")
     p.add_argument("--tuned-json", default=None,
                    help="tuned-lr JSON to read (and, when tuning, to write); default "
-                        "figures/tuned_lr_full.json with --full, else figures/tuned_lr.json, "
+                        "figures/out/full/tuned_lr.json with --full, else figures/out/quick/tuned_lr.json, "
                         "each falling back to the other for curves it lacks")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: these models are small, so extra "
@@ -92,7 +94,7 @@ def main(argv=None):
         import torch
         torch.set_num_threads(args.threads)
     committed = C.load_tuned(tuned_path)
-    ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=pathlib.Path(args.out),
+    ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=pathlib.Path(args.out or C.OUT / mode),
                     tune=tune, tuned=json.loads(json.dumps(committed)), tuned_path=tuned_path,
                     fallback=fallback,
                     tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
@@ -113,7 +115,7 @@ def main(argv=None):
     blocked = []  # figures that could not be built: the exit status says so
 
     def record(name):
-        module = importlib.import_module(f"figures.{name}")
+        module = importlib.import_module(f"figures.experiments.{name}")
         records[name] = dict(mode=mode, budget=getattr(module, "BUDGET", {}).get(mode),
                              date=C.stamp(), command=ctx.command, curves=sorted(ctx.swept[name]))
 
@@ -136,7 +138,7 @@ def main(argv=None):
             parts = parallel_parts(args, argv, [n for n in names if n in SPLIT])
     for name in names:
         t0 = time.perf_counter()
-        module = importlib.import_module(f"figures.{name}")
+        module = importlib.import_module(f"figures.experiments.{name}")
         ctx.parts_dir = parts.get(name, ctx.parts_dir)
         try:
             line, _ = module.run(ctx)
@@ -263,7 +265,7 @@ def parallel_sweeps(args, mode, names):
 
     work = []
     for name in names:
-        for spec in getattr(importlib.import_module(f"figures.{name}"), "SPECS", ()):
+        for spec in getattr(importlib.import_module(f"figures.experiments.{name}"), "SPECS", ()):
             if not spec.lr_from and (not args.tune_curves or spec.label in args.tune_curves):
                 work.append((name, spec.label))
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="figures-sweeps-"))
@@ -341,7 +343,7 @@ def _lr_paragraph(tuned, swept_now, fallback, names):
             "**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran at "
             "its grid centre.")
     text = head + ["Each budget keeps its own sweeps (quick mode reads "
-                   "`figures/tuned_lr.json`, `--full` reads `figures/tuned_lr_full.json`); a "
+                   "`figures/out/quick/tuned_lr.json`, `--full` reads `figures/out/full/tuned_lr.json`); a "
                    "curve missing from one takes the other's value, and the lr source column "
                    "says which budget each curve's lr was tuned at."]
     for i, (name, record) in enumerate(files):

@@ -25,8 +25,9 @@ from .registry import CENTER, DEFAULTS, Lion, Spec, Stepper, build  # noqa: F401
 CSV_COLUMNS = ("figure", "optimizer", "lr", "hparams", "seed", "step", "wall_s", "tokens",
                "metric", "value")
 HERE = pathlib.Path(__file__).resolve().parent
-TUNED_PATH = HERE / "tuned_lr.json"  # quick-budget sweeps (read by quick and tiny modes)
-TUNED_FULL_PATH = HERE / "tuned_lr_full.json"  # --full sweeps (read by --full)
+OUT = HERE / "out"  # the outputs, one folder per mode: figures/out/{quick,full,tiny}/
+TUNED_PATH = OUT / "quick" / "tuned_lr.json"  # quick-budget sweeps (read by quick and tiny modes)
+TUNED_FULL_PATH = OUT / "full" / "tuned_lr.json"  # --full sweeps (read by --full)
 MODES = ("tiny", "quick", "full")
 
 
@@ -36,7 +37,7 @@ class Context:
     mode: str = "quick"
     device: str = "cpu"
     seeds: int = None
-    out: pathlib.Path = HERE
+    out: pathlib.Path = OUT / "quick"
     tune: bool = False
     tuned: dict = dataclasses.field(default_factory=dict)
     tuned_path: pathlib.Path = TUNED_PATH

@@ -1,4 +1,4 @@
-"""The measurements of figure 8 (:mod:`figures.rank1_approximation`): a layer's rows and
+"""The measurements of figure 8 (:mod:`figures.experiments.rank1_approximation`): a layer's rows and
 second moments as MKOR and K-FAC see them, the rank-1 error of a factor, and the cosine
 between rank-1 and full-factor preconditioned gradients; ``Probe`` records them by hooks."""
 import math

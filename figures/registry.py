@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from torch_impl import KFAC, LAMB, MARS, MARSM, MKOR
-from torch_impl.matrix_functions import newton_schulz
+from torch_impl.common.matrix_functions import newton_schulz
 
 
 class Lion(torch.optim.Optimizer):
@@ -90,7 +90,7 @@ DEFAULTS = {
     # damping 0.1, not K-FAC's 1e-3: on these small-batch tasks 1e-3 diverges at every lr
     # (mnist1d probe over damping {1e-3, 1e-2, 1e-1} x lr {0.03, 0.1}, README "Figures").
     "K-FAC": dict(inv_freq=10, damping=0.1, backbone="sgd"),
-    # LAMB, MKOR's BERT backbone (torch_impl.mkor.LAMB), with BERT's weight decay 0.01; MKOR,
+    # LAMB, MKOR's BERT backbone (torch_impl.baselines.LAMB), with BERT's weight decay 0.01; MKOR,
     # MKOR-H and K-FAC run on it with the spec override ("backbone", "lamb").
     "LAMB": dict(betas=(0.9, 0.999), weight_decay=0.01),
 }

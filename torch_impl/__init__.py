@@ -1,7 +1,7 @@
 """PyTorch implementations of MARS and MKOR (mirrors ``reference/`` function for function)."""
-from . import functional
-from .mars import MARS
-from .mars_m import MARS_M, MARS_M_Efficient, MARSM
-from .mkor import KFAC, LAMB, MKOR, LossRateSwitch, MKOROptions, from_kfac_pytorch
+from .mars import functional
+from .mars import MARS, MARS_M, MARSM, MARS_M_Efficient
+from .baselines import KFAC, LAMB, from_kfac_pytorch
+from .mkor import MKOR, LossRateSwitch, MKOROptions
 
 __all__ = ["functional", "MARS", "MARSM", "MARS_M", "MARS_M_Efficient", "MKOR", "KFAC", "LAMB", "LossRateSwitch", "MKOROptions", "from_kfac_pytorch"]

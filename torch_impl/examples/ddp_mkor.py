@@ -17,7 +17,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_impl.mkor import KFAC, MKOR
+from torch_impl.baselines import KFAC
+
+from torch_impl.mkor import MKOR
 
 
 def parse(argv=None):

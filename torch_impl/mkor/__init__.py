@@ -1,9 +1,7 @@
-"""MKOR, MKOR-H and the K-FAC baseline in PyTorch (spec MKOR.md).
+"""MKOR and MKOR-H in PyTorch (spec MKOR.md); K-FAC and LAMB are in :mod:`torch_impl.baselines`.
 
 * :class:`MKOR` -- the preconditioner (hooks + O(d^2) rank-1 inverse updates), wrapping
   any ``torch.optim`` optimizer; MKOR-H via ``hybrid_switch`` / ``switch_step``.
-* :class:`KFAC` -- the O(d^3) K-FAC / KAISA baseline with the same interface.
-* :class:`LAMB` -- a ``torch.optim.Optimizer`` LAMB backbone (torch has none).
 * :class:`LayerType`, :func:`register_layer_type` -- the extension point for new layer
   kinds (:mod:`.layers`); :func:`discover` says what is preconditioned and why not.
 * :mod:`.factors`, :mod:`.vectors` -- the pure tensor functions (mirroring the NumPy
@@ -16,21 +14,17 @@ from .factors import (
     rank1_inverse_update, released_inverse_update, rescale, reset_factor, sherman_morrison,
     stabilise, symmetrise)
 from .hybrid import LossRateSwitch
-from .kfac import KFAC
-from .kfac_conventions import KFACPytorchConversion, from_kfac_pytorch, kfac_pytorch_scales
-from .lamb import LAMB
 from .layers import (Conv2dType, HFConv1DType, LayerType, LinearType, layer_type_for,
                      layer_types, register_layer_type, unregister_layer_type)
 from .preconditioner import MKOR
 from .vectors import conv2d_rank1_vectors, linear_rank1_vectors, unfold2d
 
 __all__ = [
-    "MKOR", "KFAC", "LAMB", "LossRateSwitch", "MKOROptions", "discover", "Discovery", "Layer",
+    "MKOR", "LossRateSwitch", "MKOROptions", "discover", "Discovery", "Layer",
     "DEFAULT_MAX_FACTOR_DIM", "LayerType", "LinearType", "Conv2dType", "HFConv1DType",
     "register_layer_type", "unregister_layer_type", "layer_types", "layer_type_for",
     "sherman_morrison", "ema_inverse_update", "released_inverse_update",
     "rank1_inverse_update", "max_entry_norm", "needs_stabilising", "stabilise",
     "reset_factor", "symmetrise", "factor_update", "precondition", "rescale",
     "linear_rank1_vectors", "conv2d_rank1_vectors", "unfold2d",
-    "from_kfac_pytorch", "kfac_pytorch_scales", "KFACPytorchConversion",
 ]

@@ -3,7 +3,7 @@ r"""MKOR's factor algebra as pure tensor functions (spec MKOR.md K7-K14).
 Every function here is O(d^2) in the factor size (mat-vecs and one outer product),
 has no host synchronisation (conditions are ``torch.where`` on 0-d tensors), and never
 calls a matrix inverse, solve or eigendecomposition. They mirror the NumPy oracle
-(``reference/mkor_factors.py`` and ``reference/mkor.py``) function for function and
+(``reference/mkor/factors.py`` and ``reference/mkor/preconditioner.py``) function for function and
 can be timed alone (e.g. ``factor_update`` or ``ema_inverse_update`` for a
 complexity benchmark).
 
@@ -158,7 +158,7 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
     ``first`` and ``reset_flag`` may be Python bools or 0-d bool tensors. Options left
     None take the ``variant``'s column (spec section 4). Returns ``(J_t, f)`` with f a
     0-d bool tensor; J_t is written into ``out`` when given (a buffer shaped like J, not J).
-    Mirrors ``reference.mkor_factors.factor_update``.
+    Mirrors ``reference.mkor.factors.factor_update``.
     """
     column = VARIANT_COLUMNS.get(variant)
     if column is None:

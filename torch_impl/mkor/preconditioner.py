@@ -27,7 +27,7 @@ from .config import MKOROptions
 from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, world_size
-from .hybrid_switching import HybridSwitching
+from .hybrid import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
 from .wrapper import PreconditionedOptimizer

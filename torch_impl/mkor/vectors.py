@@ -2,7 +2,7 @@ r"""MKOR rank-1 statistics in PyTorch (spec MKOR.md K3, K4, K6).
 
 MKOR keeps one vector per Kronecker factor: the batch mean of the rows, so that
 A ~ a_bar a_bar^T and G ~ g_bar g_bar^T (K6). These pure functions mirror the NumPy
-oracle ``reference/mkor_vectors.py`` function for function.
+oracle ``reference/mkor/vectors.py`` function for function.
 
 For gradient accumulation the hooks need the statistics in *additive* form, so each
 vector is also exposed as a sum over rows plus a row count:

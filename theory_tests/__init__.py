@@ -1,0 +1,1 @@
+"""The proofs: differential, property, symbolic, statistical, distributed and real-library tests."""

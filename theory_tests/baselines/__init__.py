@@ -1,0 +1,1 @@
+"""K-FAC (oracle, port, robustness, kfac-pytorch's conventions) and LAMB."""

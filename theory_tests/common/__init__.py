@@ -1,0 +1,1 @@
+"""What spans the families: Newton-Schulz, symbolic equivalences, independent oracles."""

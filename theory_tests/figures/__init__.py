@@ -1,0 +1,1 @@
+"""The figures' command, experiments and parts, and the benchmark scripts."""

@@ -1,0 +1,60 @@
+"""The benchmark scripts run (tiny sizes), so they cannot rot between releases.  Timings are
+never asserted here: benchmarks are scripts, and these machines are too noisy for timed tests."""
+import json
+
+import pytest
+import torch
+
+from figures.bench import optimizer_step as bench
+from figures.bench import factor_update as bench_factor_update
+
+
+def test_factor_update_benchmark_runs_and_reports_slopes(capsys):
+    bench_factor_update.main(["--sizes", "32", "64", "--repeats", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["slopes"]) == {"mkor_paper", "mkor_released", "kfac_inverse", "kfac_eigh"}
+
+
+def test_memory_benchmark_counts_three_buffers_for_mars_two_for_adamw():
+    report = bench.bench_memory(torch.device("cpu"))
+    # fp32: AdamW keeps m, v (8 B/param); MARS-AdamW adds g_prev on matrices (< 12 B/param
+    # overall, since 1-D tensors take the AdamW fallback without g_prev)
+    assert report["AdamW loop"]["state_bytes_per_param"] == 8.0
+    assert 8.0 < report["MARS-AdamW loop"]["state_bytes_per_param"] <= 12.0
+    # one denominator at a time, plus 0-d scalars (the clip norm and its clamp): a few bytes
+    # over the largest parameter (1.6 MB here), i.e. below 1 + 1e-4
+    assert report["MARS-AdamW loop"]["peak_temporary_over_largest_param"] <= 1.0 + 1e-4
+
+
+def test_transformers_benchmark_runs_on_tiny_models():
+    from figures.bench import hf as bench_hf
+    results = bench_hf.bench_models(
+        1, torch.device("cpu"), bench.interleaved,
+        gpt=lambda: bench_hf.gpt2_like(width=16, layers=1, heads=2, vocab=64, context=8),
+        resnet=lambda: bench_hf.resnet_like(widths=(4, 8), depths=(1, 1)),
+        gpt_batches=(2,), resnet_batches=(2,), context=8, image=16)
+    assert set(results) == {"GPT-2-like", "ResNet-like"}
+    for by_batch in results.values():
+        assert set(by_batch[2]) == {"backbone", "MKOR", "KFAC"}
+    assert "| GPT-2-like | 2 |" in bench_hf.table(results)
+
+
+@pytest.mark.slow
+def test_mars_m_benchmark_runs_on_a_tiny_list():
+    """The whole MARS-M table at a tiny size (slow: it compiles Muon's and MARS-M's steps)."""
+    times, ratios, compile_s = bench.bench_mars_m(1, torch.device("cpu"), vocab=16, d=8,
+                                                  layers=1, ctx=8)
+    assert set(ratios) == {"eager: best MARS-M eager / Muon eager",
+                           "compiled: MARS-M compiled / Muon compiled"}
+    assert all(t > 0 for t in times.values()) and set(compile_s) == {
+        "Muon (torch) compiled", "MARS-M compiled"}
+
+
+def test_mars_m_benchmark_eager_float32_on_a_tiny_list():
+    """The eager half of the MARS-M table with both Newton-Schulz iterations in float32
+    (torch's Muon via the figures' Float32Muon), as it runs on a CPU without bf16 units."""
+    times, ratios, compile_s = bench.bench_mars_m(1, torch.device("cpu"), torch.float32,
+                                                  False, vocab=16, d=8, layers=1, ctx=8)
+    assert set(ratios) == {"eager: best MARS-M eager / Muon eager"} and compile_s == {}
+    assert set(times) == {"Muon (torch) eager", "MARS-M loop", "MARS-M foreach"}
+    assert all(t > 0 for t in times.values())

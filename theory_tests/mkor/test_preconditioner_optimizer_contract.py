@@ -1,0 +1,55 @@
+"""MKOR and K-FAC as torch.optim.Optimizers: the backbone's param groups and state, schedulers,
+the combined state_dict and its hooks (the real-library loops are in mkor/test_training_loops.py
+and mkor/test_grad_scaler.py)."""
+import warnings
+
+import pytest
+import torch
+
+from theory_tests.mkor.test_preconditioner_semantics import KINDS, _make, _mlp, _step
+
+# -- optimizer semantics ---------------------------------------------------------------------
+@pytest.mark.parametrize("cls", KINDS)
+def test_it_is_an_optimizer_over_the_backbones_groups(cls):
+    model = _mlp()
+    opt, pre = _make(cls, model)
+    assert isinstance(pre, torch.optim.Optimizer)
+    assert pre.param_groups is opt.param_groups and pre.state is opt.state
+    sched = torch.optim.lr_scheduler.StepLR(pre, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler before optimizer" warning
+        for t in range(3):
+            _step(model, pre, t)
+            sched.step()
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    state = pre.state_dict()
+    assert set(state) == {"state", "param_groups", pre._state_key}
+    opt.load_state_dict(opt.state_dict())  # a backbone reload rebinds its lists
+    assert pre.param_groups is opt.param_groups
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_a_plain_backbone_checkpoint_loads_with_a_warning(cls):
+    model = _mlp()
+    opt, pre = _make(cls, model)
+    _step(model, pre, 0)
+    with pytest.warns(UserWarning, match="only the backbone"):
+        pre.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_state_dict_hooks_run_as_in_torch_optim(cls):
+    """register_state_dict_{pre,post}_hook and register_load_state_dict_{pre,post}_hook (used
+    by checkpointing tools) run around the combined state_dict, as for any torch optimizer."""
+    model = _mlp()
+    opt, pre = _make(cls, model)
+    _step(model, pre, 0)
+    calls = []
+    pre.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    pre.register_state_dict_post_hook(lambda o, sd: dict(sd, tagged=True))
+    pre.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load", "tagged" in sd)))
+    pre.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    state = pre.state_dict()
+    assert state["tagged"] and pre._state_key in state
+    pre.load_state_dict(state)
+    assert calls == ["pre", ("load", True), "loaded"]

@@ -1,0 +1,403 @@
+"""Curated mutants, one-line bugs in the math, keyed by the ``paper_notes/claims.md`` row
+whose tests must kill them (``theory_tests/mutation/harness.py`` runs them).
+
+A ``Mutant`` (``mutant.py``) is an exact text replacement; ``tests`` (optional) replaces the
+row's test column; ``equivalent`` (optional) says why a mutant cannot change behaviour, and
+such a mutant is expected to survive. Each row that names code has at least one mutant of it, in
+the oracle and in the port where each exists.
+"""
+from .mutant import Mutant
+from .mutants_mars import MARS_MUTANTS
+from .mutants_mars_properties import MARS_PROPERTY_MUTANTS
+
+__all__ = ["Mutant", "MUTANTS"]
+
+
+R_F, T_F = "reference/mkor/factors.py", "torch_impl/mkor/factors.py"
+R_M, R_V = "reference/mkor/preconditioner.py", "reference/mkor/vectors.py"
+T_V, T_C = "torch_impl/mkor/vectors.py", "torch_impl/mkor/capture.py"
+T_L, T_P = "torch_impl/mkor/layer_state.py", "torch_impl/mkor/preconditioner.py"
+T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/baselines/kfac.py"
+R_K, R_H, T_H = "reference/baselines/kfac.py", "reference/mkor/hybrid.py", "torch_impl/mkor/hybrid.py"
+T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
+T_DIST = "torch_impl/mkor/distributed.py"
+T_TM = "torch_impl/mkor/token_masks.py"
+T_EC = "torch_impl/mkor/eager_capture.py"
+T_HO = "torch_impl/mkor/hook_objects.py"
+T_KC = "torch_impl/baselines/kfac_conventions.py"
+R_FO, T_LAMB = "reference/baselines/first_order.py", "torch_impl/baselines/lamb.py"
+# The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
+_POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
+
+MUTANTS = {
+    "K1": [
+        Mutant(R_M, "            if layer.get(\"sgd\", False):", "            if layer.get(\"sgd\", True):"),
+        Mutant(T_D, "if reason is None and len(owners.get(id(weight), ())) > 1:",
+               "if reason is None and len(owners.get(id(weight), ())) > 2:"),
+        Mutant(T_LAYERS, "        return isinstance(module, nn.Linear)\n",
+               "        return type(module) is nn.Linear\n"),
+    ],
+    "K2": [
+        # The hooks' gate refreshed before the step count advances: captures one step late.
+        Mutant(T_P, "        self._steps += 1\n        self._step_scale = None\n        self._capture.refresh()",
+               "        self._capture.refresh()\n        self._steps += 1\n        self._step_scale = None"),
+        Mutant(R_M, "    return steps % inv_freq == 0 or steps < warmup_steps",
+               "    return steps % inv_freq == 1 or steps < warmup_steps"),
+        Mutant(T_P, "            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)",
+               "            self._steps % o.inv_freq == 0 or self._steps <= o.warmup_steps)"),
+    ],
+    "K3-K6": [
+        Mutant(R_V, "    g_bar = (n * g_rows).mean(axis=0)", "    g_bar = g_rows.mean(axis=0)"),
+        Mutant(R_V, "            top, left = i * dh, j * dw", "            top, left = j * dh, i * dw"),
+        Mutant(T_V, "    return total / rows_per_sample, n / rows_per_sample",
+               "    return total, n / rows_per_sample",
+               tests=("theory_tests/mkor/test_torch_capture.py::test_conv_vectors_match_explicit_unfold",)),
+        Mutant(T_LAYERS, "        return patches.transpose(1, 2)", "        return patches.flip(1).transpose(1, 2)",
+               tests=("theory_tests/mkor/test_torch_capture.py::test_conv_vectors_match_explicit_unfold",)),
+    ],
+    "K5": [
+        Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)"),
+        Mutant(T_W, "            self._step_scale = scale\n", "            self._step_scale = 1.0\n",
+               tests=("theory_tests/mkor/test_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
+        # Shared by MKOR and K-FAC: both forget the loss scale in their statistics.
+        Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)",
+               also=((T_K, "s_sum * samples / scale / scale, present)", "s_sum * samples, present)"),)),
+        # Shared by MKOR and K-FAC (the wrapper): a scale rounded to a power of two, exact for
+        # 2^k, so only a test with another scale (1000, 3.7) can see it.
+        Mutant(T_W, "        self._grad_scale = scale\n", f"        self._grad_scale = {_POW2}\n",
+               also=((T_W, "            self._step_scale = scale\n",
+                      f"            self._step_scale = {_POW2}\n"),)),
+        Mutant(T_P, "out[layer.name] = (a_sum.to(cd), rows, ", "out[layer.name] = (a_sum.to(cd) / scale, rows, "),
+        Mutant(T_K, "s_sum * samples / scale / scale, present)", "s_sum * samples / scale, present)"),
+        # The factor N / s^2 rounded to float32 (computed from GradScaler's float32 scale
+        # alone, as the port once did): off by ~7e-8 unless s is a power of two.
+        Mutant(T_K, "s_sum * samples / scale / scale, present)", "s_sum * (samples / scale / scale), present)"),
+    ],
+    "K7": [
+        Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
+        Mutant(T_F, "    return J - torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))",
+               "    return J + torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))"),
+    ],
+    "K8": [
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = 1 + (1 - gamma) * (v @ Jv)"),
+        Mutant(T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
+               "    denominator = gamma + gamma * torch.dot(v, Jv)"),
+        Mutant(T_F, "        kappa, w = 1.0 / gamma, (1 - gamma) / (gamma * (gamma + (1 - gamma) * q))",
+               "        kappa, w = 1.0 / gamma, (1 - gamma) / (gamma * (1 + (1 - gamma) * q))",
+               tests=("theory_tests/mkor/test_differential.py::test_factor_update_matches_the_oracle_for_every_option",)),
+    ],
+    "K9": [
+        Mutant(R_F, "    return gamma * J + coefficient * np.outer(Jv, v @ J)",
+               "    return gamma * J - coefficient * np.outer(Jv, v @ J)"),
+    ],
+    "K10": [
+        Mutant(R_F, "    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * np.eye(J.shape[0])",
+               "    blended = RELEASED_BLEND * J + RELEASED_BLEND * np.eye(J.shape[0])"),
+        Mutant(T_F, "    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * _eye_like(J)",
+               "    blended = RELEASED_BLEND * J + 0.5 * _eye_like(J)"),
+    ],
+    "K11": [
+        Mutant(R_F, "    return zeta * J + (1 - zeta) * np.eye(J.shape[0])", "    return zeta * J + zeta * np.eye(J.shape[0])"),
+        Mutant(T_F, "    return zeta * J + (1 - zeta) * _eye_like(J)", "    return zeta * J"),
+    ],
+    "K12": [
+        Mutant(R_F, "        return np.eye(J.shape[0]), False", "        return J.copy(), False"),
+        Mutant(T_F, "        w = torch.where(flag, scalar(0.0), w)", "        w = torch.where(flag, scalar(1.0), w)",
+               tests=("theory_tests/mkor/test_differential.py::test_factor_update_matches_the_oracle_for_every_option",)),
+    ],
+    "K13": [
+        Mutant(R_F, "    delta = L_inv @ G_hat @ R_inv", "    delta = L_inv @ G_hat @ R_inv.T @ R_inv"),
+        Mutant(T_F, "    x_b = torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])",
+               "    x_b = torch.addmv(grad_b.reshape(-1), G, R_inv[:d, d])",
+               tests=("theory_tests/mkor/test_torch_factors.py::test_precondition_splits_bias_and_round_trips_conv_layout",)),
+    ],
+    "K14": [
+        Mutant(R_F, "    s = grad_norm / delta_norm", "    s = delta_norm / grad_norm"),
+        Mutant(T_F, "            delta_norm = delta_norm + torch.linalg.vector_norm(delta_b).square()",
+               "            delta_norm = delta_norm + torch.linalg.vector_norm(delta_b)"),
+    ],
+    "K15": [
+        Mutant(T_W, "        self.precondition()\n        self.optimizer.step()\n",
+               "        self.precondition()\n"),
+        # LAMB's bias corrections, the same bug in the oracle and the port (a differential
+        # test cannot see it; the closed forms and the Adam-built LAMB can, with weight decay).
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = (m / (1 - b1**(k + 1))) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               also=((T_LAMB, "r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt()",
+                      "r = (m / (1 - beta1 ** (k + 1))) / ((v / (1 - beta2 ** k)).sqrt()"),)),
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = m / (np.sqrt(v / (1 - b2**k)) + eps)",
+               also=((T_LAMB, "r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt()",
+                      "r = m / ((v / (1 - beta2 ** k)).sqrt()"),)),
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = (m / (1 - b1**k)) / (np.sqrt(v) + eps)",
+               also=((T_LAMB, "r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt()",
+                      "r = (m / (1 - beta1 ** k)) / (v.sqrt()"),)),
+        Mutant(R_FO, "    r = (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)",
+               "    r = (m / (1 - b1**k)) / np.sqrt(v / (1 - b2**k) + eps)",
+               also=((T_LAMB, "((v / (1 - beta2 ** k)).sqrt() + group[\"eps\"])",
+                      "((v / (1 - beta2 ** k) + group[\"eps\"]).sqrt())"),)),
+    ],
+    "K2–K14": [
+        Mutant(R_M, "            out.append(rescale(delta_W, delta_b, grad_W, grad_b, self.config.rescale))",
+               "            out.append((delta_W, delta_b))"),
+        Mutant(T_L, "    delta_W, delta_b = rescale(delta_W, delta_b if counted_b else None, grad_W,",
+               "    delta_W, delta_b = rescale(delta_W * 2, delta_b if counted_b else None, grad_W,"),
+        Mutant(T_L, "    ok_a, fired_a = update(\"R_inv\", R, a_bar, s[\"updates_a\"] == 0, flag_a)",
+               "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 1.5, s[\"updates_a\"] == 0, flag_a)"),
+    ],
+    "K16": [
+        Mutant(T_F, "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma)",
+               "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma ** 0.5)"),
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)\n    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma)",
+               "    denominator = gamma + (1 - gamma) * (v @ Jv)\n    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma ** 0.5)"),
+    ],
+    "K17": [
+        Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))", "    return symmetrise(sherman_morrison(blended, 2 * v))"),
+        # The blend's identity weight 1.5 x 0.05: the spectrum leaves [.., 1] (K17's bound).
+        Mutant(T_F, "    blended = RELEASED_BLEND * J + (1 - RELEASED_BLEND) * _eye_like(J)",
+               "    blended = RELEASED_BLEND * J + 1.5 * (1 - RELEASED_BLEND) * _eye_like(J)"),
+    ],
+    "K18": [
+        Mutant(R_H, "self.slow_checks + 1 if not r_t >= self.threshold else 0",
+               "self.slow_checks + 1 if not r_t > self.threshold else 0",
+               equivalent="differs only when r_t equals the threshold exactly"),
+        Mutant(T_H, "        return (older - newer) / (w * abs(older))", "        return (older - newer) / abs(older)"),
+        Mutant(T_H, "        return (self.rule.t + len(self.buffer)) % self.rule.check_every == 0",
+               "        return (self.rule.t + len(self.buffer)) % self.rule.check_every == 1",
+               tests=("theory_tests/mkor/test_torch_hybrid.py::test_every_way_of_passing_the_loss_gives_the_same_switch",)),
+    ],
+    "K19": [
+        # Conv2d's A averaged over samples instead of rows (L = 4 times too large): the MLP
+        # differential test has no Conv2d; the per-sample definition has.
+        Mutant(T_K, "    return flat.T @ flat, n\n",
+               "    return flat.T @ flat, n / layer.type.rows_per_sample(rows.shape[:-1])\n"),
+        Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
+        # Shared by the oracle and the port: a Conv2d's G scaled by its B L rows instead of
+        # its B samples (the issue's survivor, before the oracle had a Conv2d path).
+        Mutant(R_K, "    samples = rows / rows_per_sample\n", "    samples = rows\n",
+               also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
+                      "    samples = n"),)),
+        Mutant(R_K, "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + damping)) @ QA.T",
+               "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
+        Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
+        Mutant(T_K, "            nu = nu.clamp(max=1.0)", "            nu = nu.clamp(max=2.0)"),
+    ],
+    "L3.1": [
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = gamma - (1 - gamma) * (v @ Jv)"),
+        # The same sign flip in the oracle and the port; and the released step's SM sign.
+        Mutant(R_F, "    denominator = gamma + (1 - gamma) * (v @ Jv)", "    denominator = gamma - (1 - gamma) * (v @ Jv)",
+               also=((T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
+                      "    denominator = gamma - (1 - gamma) * torch.dot(v, Jv)"),)),
+        Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 - v @ Jv)"),
+        Mutant(T_F, "    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)",
+               "    denominator = gamma - (1 - gamma) * torch.dot(v, Jv)",
+               tests=("theory_tests/mkor/test_torch_factors.py::test_ema_inverse_update_is_the_inverse_of_the_factor_ema",)),
+    ],
+    "KT1": [
+        Mutant(R_F, "    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma)",
+               "    return symmetrise((J - np.outer(Jv, vJ) / denominator) / gamma)"),
+        Mutant(T_F, "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma)",
+               "    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma ** 2)"),
+    ],
+    "KT2": [
+        Mutant(R_F, "    return J - np.outer(Jv, vJ) / (1 + v @ Jv)", "    return J - np.outer(Jv, vJ) / (1 + 2 * (v @ Jv))"),
+        Mutant(T_F, "    return J - torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))",
+               "    return J - torch.outer(Jv, vJ) / (2 + torch.dot(v, Jv))",
+               tests=("theory_tests/mkor/test_torch_factors.py::test_sherman_morrison_is_the_inverse_of_the_rank1_update",)),
+    ],
+    "KT3": [
+        Mutant(R_F, "    return (J + J.T) / 2", "    return (J + J.T) / 2 - 1e-3 * np.eye(J.shape[0])"),
+        Mutant(T_F, "    J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-1.0)",
+               "    J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-2.0)",
+               tests=("theory_tests/mkor/test_torch_factors.py::test_factor_update_before_sm_blends_then_updates",)),
+    ],
+    "KT4": [
+        Mutant(R_F, "RELEASED_BLEND = 0.95\n", "RELEASED_BLEND = 0.9\n"),
+        Mutant(T_F, "RELEASED_BLEND = 0.95\n", "RELEASED_BLEND = 0.99\n",
+               tests=("theory_tests/mkor/test_torch_factors.py::test_released_update_is_sm_of_the_blended_inverse_and_stays_in_its_bounds",
+                      "theory_tests/mkor/test_torch_factors.py::test_paper_variant_first_trigger_at_update_14")),
+    ],
+    "KT5": [
+        Mutant(R_F, "    return zeta * J + (1 - zeta) * np.eye(J.shape[0])", "    return (1 - zeta) * J + zeta * np.eye(J.shape[0])"),
+        Mutant(T_F, "    return zeta * J + (1 - zeta) * _eye_like(J)", "    return zeta * J + (1 - zeta) * 2 * _eye_like(J)"),
+    ],
+    "KT6": [
+        Mutant(R_F, "    if grad_norm == 0.0 or not (0.0 < delta_norm < np.inf):",
+               "    if not (0.0 < delta_norm < np.inf):",
+               equivalent="a zero gradient gives s = 0 and s Delta = 0, the gradient itself"),
+        Mutant(T_F, "    usable = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)",
+               "    usable = (delta_norm > 0) & torch.isfinite(delta_norm)",
+               equivalent="a zero gradient gives s = 0 and s Delta = 0, the gradient itself"),
+        Mutant(R_F, "    if grad_norm == 0.0 or not (0.0 < delta_norm < np.inf):",
+               "    if grad_norm == 0.0 or not (0.0 < delta_norm):",
+               equivalent="an infinite Delta gives s = 0 and a NaN product, which the oracle's "
+                          "finite-product check returns as the raw gradient"),
+        Mutant(T_F, "    usable = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)",
+               "    usable = (grad_norm != 0) & (delta_norm > 0)"),
+    ],
+    "KT7": [
+        Mutant(R_M, "            if layer.get(\"sgd\", False):", "            if not layer.get(\"sgd\", False):"),
+        Mutant(T_L, "    L_inv, R_inv = s.get(\"L_inv\"), s.get(\"R_inv\")",
+               "    L_inv, R_inv = s.get(\"L_inv\") * 2, s.get(\"R_inv\")",
+               equivalent="a factor scaled by 2 doubles Delta, which the norm-preserving rescale undoes"),
+    ],
+    "KT8": [
+        Mutant(R_V, "    a_bar = a_rows.mean(axis=0)", "    a_bar = a_rows.sum(axis=0)"),
+        Mutant(T_V, "    return (_with_one(total, n) if has_bias else total), n\n\n\ndef linear_grad_sum",
+               "    return (_with_one(total, n + 1) if has_bias else total), n\n\n\ndef linear_grad_sum"),
+        Mutant(T_V, "            else n.reshape(1).to(total.dtype))", "            else n.reshape(1).to(total.dtype) + 1)",
+               tests=("theory_tests/mkor/test_preconditioner_semantics.py::test_masked_a_bar_is_the_mean_over_real_rows",)),
+    ],
+    "KT9": [
+        Mutant(R_F, "    return delta[:, :-1].reshape(grad_W.shape), delta[:, -1].copy()",
+               "    return delta[:, 1:].reshape(grad_W.shape), delta[:, 0].copy()"),
+        Mutant(T_F, "    X = torch.mm(G, R_inv[:d, :d], out=X).addr_(grad_b.reshape(-1), R_inv[d, :d])",
+               "    X = torch.mm(G, R_inv[:d, :d], out=X).addr_(grad_b.reshape(-1), R_inv[:d, d] * 0)"),
+    ],
+    "KT10": [
+        Mutant(R_M, "    return steps % inv_freq == 0 or steps < warmup_steps",
+               "    return steps % inv_freq == 0 and steps >= warmup_steps"),
+        Mutant(T_P, "            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)",
+               "            self._steps % o.inv_freq == 0)",
+               tests=("theory_tests/mkor/test_torch_capture.py::test_hooks_capture_only_in_train_mode_with_grad_and_on_schedule",)),
+    ],
+    "KT11": [
+        Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))",
+               "    return symmetrise(np.linalg.inv(np.linalg.inv(blended) + np.outer(v, v)))"),
+        Mutant(T_F, "    u = alpha * (J @ v) + beta * v", "    u = alpha * torch.linalg.solve(torch.linalg.inv(J), v) + beta * v"),
+    ],
+    "KT12": [
+        Mutant(T_DIST, "            mean = buffer[start:start + sum(sizes)].to(out_dtype) / count.clamp(min=1)",
+               "            mean = buffer[start:start + sum(sizes)].to(out_dtype)"),
+        Mutant(T_DIST, "        return self.numel * torch.empty((), dtype=self.dtype).element_size()",
+               "        return self.numel * 4"),
+        # The summed row count read from the wrong slot: the union's mean divides by 1.
+        Mutant(T_DIST, "                        buffer[at].to(out_dtype)))", "                        buffer[at].to(out_dtype) * 0 + 1))"),
+    ],
+    "KT13": [
+        Mutant(T_L, "    ok_g, fired_g = update(\"L_inv\", L, g_bar, s[\"updates_g\"] == 0, flag_g)",
+               "    ok_g, fired_g = update(\"L_inv\", L, g_bar * 1.001, s[\"updates_g\"] == 0, flag_g)"),
+        # Not equivalent: the scale is applied before the bias column is appended.
+        Mutant(R_F, "    G_hat = grad_W.reshape(d_out, -1)\n", "    G_hat = grad_W.reshape(d_out, -1) * 1.001\n"),
+    ],
+    "KT14": [
+        Mutant("torch_impl/mkor/hybrid.py", "        self._state = {}\n        self._switched = True",
+               "        self._switched = True"),
+        Mutant(R_H, "        if self.switch_step is not None and t >= self.switch_step:",
+               "        if self.switch_step is not None and t > self.switch_step:"),
+    ],
+    "P-MKOR-convergence": [
+        Mutant(T_L, "    ok_a, fired_a = update(\"R_inv\", R, a_bar, s[\"updates_a\"] == 0, flag_a)",
+               "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 0, s[\"updates_a\"] == 0, flag_a)"),
+    ],
+    "PORT-LAYERS": [
+        Mutant(T_LAYERS, "        return module.weight.grad.T\n", "        return module.weight.grad.T.flip(0)\n",
+               tests=("theory_tests/mkor/test_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
+        Mutant(T_D, "self.has_bias = module.bias is not None and module.bias.requires_grad",
+               "self.has_bias = module.bias is not None"),
+    ],
+    "PORT-PAIRING": [
+        # Shared-call pairing: the old rule (statistics dropped whenever .grad is None) moved
+        # to commit time drops every earlier call of a module used several times per forward.
+        Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
+               "        if layer.module.weight.grad is None:\n            # the gradient"),
+        Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
+               "        if False:\n            # the gradient"),
+        Mutant(T_C, "        if st.settled and self._by_name[name].module.weight.grad is None:",
+               "        if False:"),
+        Mutant(T_V, "    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()",
+               "    return rows.sum(dim=lead), mask.sum()"),
+        Mutant(T_C, "                self._commit(layer, a_stat, mask, grad_rows(grad))",
+               "                self._commit(layer, a_stat, None, grad_rows(grad))",
+               equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
+    ],
+    "PORT-CHECKPOINT": [
+        # Recompute mask: a reentrant recompute reads the (finished) call's context, no mask.
+        Mutant(T_C, "            return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)",
+               "            return self._call"),
+        Mutant(T_C, "            self._call.regions = True  # a grad-free", "            self._call.regions = False  # a grad-free"),
+        Mutant(T_C, "                ctx.nested = True", "                ctx.nested = False"),
+        Mutant(T_C, "        ctx = (self._explicit if self._explicit is not None else",
+               "        ctx = (self._explicit if False else"),
+    ],
+    "PORT-COMPILE": [
+        # A compiled capture step traced through the model: graph breaks at every layer hook.
+        Mutant(T_EC, "        if capture is not None and capture.capturing and torch.compiler.is_compiling():",
+               "        if False:"),
+        # A copy of the model keeps a route to the original's capture.
+        Mutant(T_EC, "        return _unrouted, (self.forward,)",
+               "        return EagerCaptureSteps, (self.capture, self.forward)"),
+        # remove() leaves a bound forward in the instance dict.
+        Mutant(T_EC, "            if self._had_own:", "            if True:"),
+    ],
+    "PORT-LAMB-SURFACE": [
+        Mutant(T_LAMB, "    return torch.view_as_real(t) if torch.is_complex(t) else t", "    return t"),
+        Mutant(T_LAMB, "                vs.append(_real(state[\"exp_avg_sq\"]))", "                vs.append(state[\"exp_avg_sq\"])"),
+        Mutant(T_LAMB, "            g = -g", "            g = g"),
+        Mutant(T_LAMB, "            gs = torch._foreach_neg(gs)", "            gs = gs"),
+        Mutant(T_LAMB, "            return group[\"foreach\"]", "            return False"),
+        Mutant(T_LAMB, "        torch._foreach_add_(denom, eps)", "        torch._foreach_add_(denom, 2 * eps)"),
+    ],
+    "PORT-COPY": [
+        Mutant(T_W, "    __reduce_ex__ = __reduce__ = __getstate__ = __copy__ = __deepcopy__ = _refuse_copy",
+               "    __copy__ = _refuse_copy"),
+        Mutant(T_HO, "        return InertHook()", "        return self"),
+        Mutant(T_HO, "    def __reduce__(self):", "    def _reduce_unused(self):"),
+        Mutant(T_C, "            hooks.append((module, \"backward\", BoundHook(self._module_backward, layer)))",
+               "            hooks.append((module, \"backward\", lambda *a: self._module_backward(layer, *a)))"),
+        Mutant("torch_impl/mkor/hybrid.py", "class _LossTap(CopyInertHook):", "class _LossTap:"),
+    ],
+    "PORT-MASKS": [
+        # Decoder mask: the decoder reads the encoder's attention_mask (the shape-based bug).
+        Mutant(T_TM, "                masks[\"decoder\"] = labels != -100",
+               "                masks[\"decoder\"] = _as_bool(main)"),
+        Mutant(T_TM, "            return \"encoder\"\n        return layer_source",
+               "            return layer_source\n        return layer_source"),
+        Mutant(T_TM, "            sources[layer.name] = \"encoder\"", "            sources[layer.name] = \"decoder\""),
+        Mutant(T_TM, "        if tuple(lead) != tuple(mask.shape):", "        if tuple(lead[:1]) != tuple(mask.shape[:1]):",
+               tests=("theory_tests/mkor/test_capture_construction.py::test_rows_that_cannot_be_matched_to_the_mask_are_all_used_and_listed",)),
+    ],
+    "PORT-ROWS": [
+        # Row counts across ranks: the mean of the ranks' means instead of the union's mean.
+        Mutant(T_DIST, "            a_bar = a_sum / rows.clamp(min=1)", "            a_bar = a_sum / world"),
+        Mutant(T_DIST, "        divide = world * world if self.average == \"double\" else world",
+               "        divide = world * world if self.average == \"double\" else 1"),
+        Mutant(T_K, "            A = A_sum / rows.clamp(min=1)", "            A = A_sum / world"),
+        Mutant(T_K, "            G = S_sum * samples / world / world / scale / scale",
+               "            G = S_sum * samples / world / scale / scale"),
+        Mutant(T_P, "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
+               "                    out.append((layer, None, None, False))",
+               "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
+               "                    out.append((layer, a_sum / 1, g, None))"),
+        Mutant(T_L, "        s[\"no_rows\"] = s[\"no_rows\"] + 1", "        s[\"no_rows\"] = s[\"no_rows\"] + 0"),
+    ],
+    "KFAC-CONVENTIONS": [
+        Mutant(T_KC, "        return positions ** 2, batch ** 2 * positions ** 3",
+               "        return positions, batch ** 2 * positions ** 3"),
+        Mutant(T_KC, "    return 1, rows ** 2", "    return 1, rows"),
+        Mutant(T_KC, "        ours_damping = c * damping", "        ours_damping = damping"),
+        Mutant(T_KC, "        ours_kl = kl_clip * lr_0 ** 2 / (c * lr_kp ** 2)",
+               "        ours_kl = kl_clip * lr_0 / (c * lr_kp)"),
+        Mutant(T_KC, "            settings = {\"lr\": group[\"lr\"] * c}", "            settings = {\"lr\": group[\"lr\"]}"),
+        Mutant(T_K, "                    blends[key] = torch.where(first & (self.factor_init == \"batch\"), new,",
+               "                    blends[key] = torch.where(first, new,"),
+    ],
+    "PORT-KFAC-ACCUM": [
+        Mutant(R_K, "    g = samples * g\n", "    g = g\n", tests=("theory_tests/baselines/test_kfac_reference.py",)),
+        # Shared by the oracle and the port: G = sum_i g_i g_i^T, the factor N that undoes the
+        # mean-reduction of the loss forgotten in both.
+        Mutant(R_K, "    g = samples * g\n", "    g = g * samples ** 0.5\n",
+               also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
+                      "    samples = n / n"),)),
+        Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
+        Mutant(T_K, "                s[key] = torch.where(ok, blended, s[key])", "                s[key] = blended"),
+    ],
+}
+
+
+# The MARS family's mutants live in their own file (one list per optimizer family).
+for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS):
+    assert not set(_family) & set(MUTANTS), set(_family) & set(MUTANTS)
+    MUTANTS.update(_family)
+

@@ -1,0 +1,28 @@
+"""The curated mutant list (``theory_tests/mutation/mutants.py``) follows the code and the claim index:
+every key is a row of ``paper_notes/claims.md``, every mutant's text occurs exactly once in
+its file (so it still applies), changes it, and every equivalent mutant says why. Running the
+mutants is ``python -m theory_tests.mutation`` (minutes, not part of ``pytest``)."""
+from pathlib import Path
+
+import pytest
+
+from theory_tests.mutation.mutants import MUTANTS
+from theory_tests.support.claims_table import claim_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+ALL = [(row, i, m) for row, ms in MUTANTS.items() for i, m in enumerate(ms)]
+
+
+def test_every_key_is_a_claim_row():
+    ids = {row["id"] for row in claim_rows()}
+    assert set(MUTANTS) <= ids, sorted(set(MUTANTS) - ids)
+
+
+@pytest.mark.parametrize("row, index, mutant", ALL, ids=[f"{r}#{i}" for r, i, _ in ALL])
+def test_each_mutant_still_applies(row, index, mutant):
+    for path, old, new in mutant.edits():
+        text = (ROOT / path).read_text()
+        assert path.startswith(("reference/", "torch_impl/"))
+        assert text.count(old) == 1, f"{row}#{index} {path}: the text occurs {text.count(old)} times"
+        assert new != old
+    assert mutant.equivalent is None or len(mutant.equivalent) > 10

@@ -1,0 +1,1 @@
+"""Shared harnesses and case lists of the tests (not tests themselves)."""

@@ -1,0 +1,455 @@
+r"""K-FAC baseline (KAISA form; spec MKOR.md K19) with MKOR's interface.
+
+Per layer, with rows a_i (inputs, [a_i | 1] with a bias) and per-sample output
+gradients N g_i of a mean-reduced loss:
+
+.. math::
+    A \leftarrow \beta A + (1-\beta) \tfrac1N \textstyle\sum_i a_i a_i^T, \qquad
+    G \leftarrow \beta G + (1-\beta) \tfrac1N \textstyle\sum_i (N g_i)(N g_i)^T
+
+every ``factor_freq`` steps (the first update takes the batch factor as is), then every
+``inv_freq`` steps an O(d^3) decomposition, and every step
+
+.. math::
+    V = Q_G\big[(Q_G^T \hat G Q_A) \oslash (\lambda_G \lambda_A^T + \delta)\big] Q_A^T
+      = (G \otimes A + \delta I)^{-1} \hat G \quad (\text{"eigen"}), \qquad
+    V = (G + \delta I)^{-1} \hat G (A + \delta I)^{-1} \quad (\text{"inverse"}),
+
+scaled by the KL-clip \nu = \min(1, \sqrt{\kappa / |\sum_m \eta^2 \langle V_m, \hat G_m\rangle|}).
+Conv2d rows are the unfolded patches (B L rows) with N = B samples, so
+G = (1/B) \sum_{b,l} (B g_{b,l})(B g_{b,l})^T (the KFC approximation).
+This is the method MKOR replaces: it *does* call ``eigh`` / ``inv``.
+
+With gradient accumulation the rows of every micro-batch add up: A is the mean of
+a_i a_i^T over all rows and G = N \sum_i g_i g_i^T with N the samples of *all*
+micro-batches, so k micro-batches of a loss divided by k give the full batch's factors.
+A token mask keeps padded rows out of both (N counts real tokens). Under a loss scale s
+(``GradScaler``), G is divided by s^2.
+
+Robustness: a factor update with a non-finite statistic is refused and counted
+(``skipped_updates``), so one overflowing batch never poisons the factors; a failed
+decomposition is retried in float64, then with 10x, 100x, 1000x the damping added to the
+factor, and if all fail the previous decomposition is kept (``decomposition_failures``);
+statistics are float32 under autocast.
+
+Distributed (the baseline MKOR's O(d) claim is measured against): on a factor-update step
+every rank all-reduces the *sums* behind the batch factors of every layer, sum_i a_i a_i^T
+and sum_i g_i g_i^T, with its row count (and, for a Conv2d, its sample count) in one flat
+buffer (:class:`~.distributed.Packet`), and every rank then forms one process's factors
+on the union of the batches, A = sum_r sum_i a a^T / sum_r n_r and
+G = (sum_r N_r) sum_r sum_i g g^T / P^2 (each rank's g_i is the gradient of its own mean
+loss, and DDP averages over the P ranks), before the same EMA and decomposition. A layer
+with no rows on some rank (an MoE expert routed no tokens there) adds zeros, never 0/0.
+:attr:`KFAC.payload_bytes` = (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d
+layers) x itemsize: O(d^2) per layer. (KAISA can also send inverses or shard the work;
+this baseline replicates everything, like MKOR.)
+"""
+import warnings
+
+import torch
+
+from ..mkor.capture import Capture, weak_schedule
+from ..mkor.discovery import (discover, unwrap_model, warn_identity_sides,
+                        warn_nothing_preconditioned)
+from ..mkor.distributed import Packet, world_size
+from ..mkor.layers import LayerType
+from ..mkor.wrapper import PreconditionedOptimizer
+
+__all__ = ["KFAC"]
+
+
+def _masked_flat(rows, mask):
+    rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+    flat = rows.reshape(-1, rows.shape[-1])
+    if mask is None:
+        return flat, flat.shape[0], None
+    keep = mask.reshape(-1, 1)
+    return torch.where(keep, flat, 0), mask.sum(), keep
+
+
+def _input_stat(layer, rows, mask):
+    """(sum_i a_i a_i^T, rows) of one forward, rows with a trailing 1 for a bias (0 on a
+    masked row); an identity side (size guard) stores nothing."""
+    flat, n, keep = _masked_flat(rows, mask)
+    if layer.identity_R:
+        return flat.new_zeros(0), n
+    if layer.has_bias:
+        ones = flat.new_ones(flat.shape[0], 1) if keep is None else keep.to(flat.dtype)
+        flat = torch.cat([flat, ones], dim=1)
+    return flat.T @ flat, n
+
+
+def _grad_stat(layer, rows, mask):
+    """(sum_i g_i g_i^T, samples): G = N sum_i g_i g_i^T once N, the samples of every
+    micro-batch, is known (one sample is ``rows_per_sample`` rows: L for Conv2d)."""
+    flat, n, _ = _masked_flat(rows, mask)
+    samples = n / layer.type.rows_per_sample(rows.shape[:-1])
+    if layer.identity_L:
+        return flat.new_zeros(0), samples
+    return flat.T @ flat, samples
+
+
+def _per_sample(layer):
+    """Whether the layer type counts several rows per sample (Conv2d: L positions), so its
+    sample count travels apart from its row count."""
+    return type(layer.type).rows_per_sample is not LayerType.rows_per_sample
+
+
+def _decompose(F, damping, method):
+    """eigh / inv of the factor F with fallbacks: float64, then more damping. Returns the
+    result (in F's dtype) and the number of failed attempts, or (None, attempts)."""
+    attempts = 0
+    for extra in (0.0, 0.0, 10 * damping, 100 * damping, 1000 * damping):
+        M = (F + F.T) / 2 if attempts == 0 else (F + F.T).double() / 2
+        if extra:
+            M = M + extra * torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
+        try:
+            if method == "eigen":
+                lam, Q = torch.linalg.eigh(M)
+                out = (lam.clamp(min=0).to(F.dtype), Q.to(F.dtype))  # rounding can go < 0
+                ok = torch.isfinite(lam).all() and torch.isfinite(Q).all()
+            else:
+                eye = torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
+                inv = torch.linalg.inv(M + damping * eye)
+                out, ok = inv.to(F.dtype), torch.isfinite(inv).all()
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            ok = False
+        if ok:
+            return out, attempts
+        attempts += 1
+    return None, attempts
+
+
+def _to_device(value, device, dtype):
+    """A copy of a saved state entry on ``device``; floating tensors in the factor dtype."""
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device, dtype) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else None,
+                        copy=True)
+    return value
+
+
+class KFAC(PreconditionedOptimizer):
+    """K-FAC as a ``torch.optim.Optimizer`` preconditioning a backbone (same API as MKOR).
+
+    Args:
+        model, optimizer: as :class:`~torch_impl.mkor.MKOR`.
+        inv_freq: decomposition period (KAISA's inv_update_steps).
+        factor_freq: factor EMA period (factor_update_steps).
+        damping: delta (> 0). factor_decay: beta in [0, 1) (the weight of the old factor;
+            1 is allowed with ``factor_init="identity"``: the factors then stay at the start).
+        kl_clip: kappa > 0, or None to disable; the clip uses the learning rate of the
+            optimizer's first param group, read at every step.
+        method: "eigen" (default) or "inverse".
+        skip_modules: glob patterns of module names to leave to the backbone.
+        grad_hook: "module" | "tensor", as for MKOR.
+        max_factor_dim, token_mask, grad_scaler, grad_scale: as for MKOR (a factor side
+            at the identity is the factor I: eigenvalues 1, or inverse I / (1 + delta)).
+        process_group: process group for averaging the factors (default: the world).
+        factor_init: where the factor EMAs start. "batch" (default): the first accepted
+            update takes the batch factor as is. "identity": A starts at s_A I and G at
+            s_G I and every update blends, the first included (kfac-pytorch's convention;
+            :func:`~.kfac_conventions.from_kfac_pytorch` sets this and the scales).
+        factor_init_scale: (s_A, s_G), each > 0, for ``factor_init="identity"`` (default
+            (1.0, 1.0); must stay so with "batch").
+    """
+
+    _state_key = "kfac"
+
+    def __init__(self, model, optimizer, *, inv_freq=10, factor_freq=1, damping=1e-3,
+                 factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
+                 grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
+                 grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
+                 factor_init_scale=(1.0, 1.0)):
+        self._bind(model, optimizer, grad_scaler)
+        for name, value in (("inv_freq", inv_freq), ("factor_freq", factor_freq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not damping > 0:
+            raise ValueError(f"damping must be > 0, got {damping!r}")
+        if factor_init not in ("batch", "identity"):
+            raise ValueError(f"factor_init must be 'batch' or 'identity', got {factor_init!r}")
+        scales = tuple(factor_init_scale) if isinstance(factor_init_scale, (tuple, list)) else ()
+        if len(scales) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                       and 0 < v < float("inf") for v in scales):
+            raise ValueError("factor_init_scale must be a pair (s_A, s_G) of finite numbers > 0, "
+                             f"got {factor_init_scale!r}")
+        if factor_init == "batch" and scales != (1.0, 1.0):
+            raise ValueError("factor_init_scale only applies to factor_init='identity', got "
+                             f"{factor_init_scale!r} with factor_init='batch'")
+        if not (0 <= factor_decay < 1 or (factor_decay == 1 and factor_init == "identity")):
+            raise ValueError(f"factor_decay must be in [0, 1) (or 1 with factor_init="
+                             f"'identity'), got {factor_decay!r}")
+        if kl_clip is not None and not kl_clip > 0:
+            raise ValueError(f"kl_clip must be None or > 0, got {kl_clip!r}")
+        if method not in ("eigen", "inverse"):
+            raise ValueError(f"method must be 'eigen' or 'inverse', got {method!r}")
+        if max_factor_dim is not None and (isinstance(max_factor_dim, bool) or not isinstance(
+                max_factor_dim, int) or max_factor_dim < 1):
+            raise ValueError(f"max_factor_dim must be None or an int >= 1, got {max_factor_dim!r}")
+        if not (isinstance(grad_scale, torch.Tensor) or grad_scale > 0):
+            raise ValueError(f"grad_scale must be > 0, got {grad_scale!r}")
+        self.process_group = process_group
+        self.inv_freq, self.factor_freq = inv_freq, factor_freq
+        self.damping, self.factor_decay, self.kl_clip, self.method = (
+            damping, factor_decay, kl_clip, method)
+        self._grad_scale = grad_scale
+        self.factor_init, self.factor_init_scale = factor_init, tuple(float(v) for v in scales)
+        found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
+        self._layers, self._skipped = found.layers, found.skipped
+        # Factors are kept in the statistics' dtype: the weights' promoted with float32.
+        self._dtype = (torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
+                       if self._layers else torch.float32)
+        warn_identity_sides("KFAC", self._layers, 2 * self._dtype.itemsize)
+        if not self._layers:
+            warn_nothing_preconditioned("KFAC", self._skipped)
+        self._steps = 0
+        self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
+        self.decomposition_failures = 0  # decompositions that kept the previous result
+        self.decomposition_retries = 0   # failed attempts (float64 retries, extra damping)
+        self._capture = Capture(self._layers, weak_schedule(self.factor_update_due),
+                                _input_stat, _grad_stat, grad_hook=grad_hook,
+                                model=unwrap_model(model), mask_kwarg=token_mask)
+        self._capture.register()
+        # Sums travel: A's [-1, -1] entry (the bias column's 1 * 1 summed) is the row
+        # count; a layer with several rows per sample (Conv2d) also sends its samples.
+        self._packet = Packet(
+            [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if _per_sample(l) else [])
+             for l in self._layers],
+            [l.has_bias and not l.identity_R for l in self._layers], self._dtype, sums=True)
+        self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
+        self._attach([unwrap_model(model)] + [l.module for l in self._layers])
+
+    @staticmethod
+    def _a_shape(layer):
+        return (0,) if layer.identity_R else (layer.d_in, layer.d_in)
+
+    @staticmethod
+    def _g_shape(layer):
+        return (0,) if layer.identity_L else (layer.d_out, layer.d_out)
+
+    def _initial_state(self, layer):
+        dev = layer.module.weight.device
+        state = {"updates": torch.zeros((), dtype=torch.int64, device=dev),
+                 "non_finite": torch.zeros((), dtype=torch.int64, device=dev),
+                 "overflow": torch.zeros((), dtype=torch.int64, device=dev),
+                 "no_rows": torch.zeros((), dtype=torch.int64, device=dev)}
+        s_A, s_G = self.factor_init_scale
+        for key, side, d, scale in (("A", layer.identity_R, layer.d_in, s_A),
+                                    ("G", layer.identity_L, layer.d_out, s_G)):
+            if not side:  # "batch": I until the first accepted update replaces it
+                state[key] = scale * torch.eye(d, dtype=self._dtype, device=dev)
+        return state
+
+    @property
+    def payload_bytes(self):
+        """Bytes each rank all-reduces per factor update: (sum_m (d_in'^2 + d_out^2) +
+        #bias-free layers) x itemsize."""
+        return self._packet.nbytes
+
+    @property
+    def skipped_updates(self):
+        """Factor updates refused for non-finite statistics or an overflowing EMA (a
+        tensor); layers without rows are counted apart, in ``counters()``."""
+        counts = [s["non_finite"] + s["overflow"] for s in self._state.values()]
+        return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64))
+
+    def counters(self):
+        """{name: {...}} of 0-d tensors: accepted ``updates``, updates refused for
+        ``non_finite`` statistics or an ``overflow`` of the EMA, and updates sat out with
+        ``no_rows`` (no rows reached the layer, on any rank)."""
+        keys = ("updates", "non_finite", "overflow", "no_rows")
+        return {name: {k: s[k] for k in keys} for name, s in self._state.items()}
+
+    def factor_update_due(self):
+        return not self._detached and self._steps % self.factor_freq == 0
+
+    def factors(self):
+        """{name: (A, G)} of the current factor EMAs (None for an identity side), for the
+        layers that have had an update."""
+        return {n: (s.get("A"), s.get("G")) for n, s in self._state.items()
+                if "decomposed" in s or int(s["updates"]) > 0}
+
+    def _drop_statistics(self, completed_only=False):
+        if completed_only:
+            self._capture.drop_committed()
+        else:
+            self._capture.reset()
+
+    def preconditioner_state_dict(self):
+        return {"steps": self._steps,
+                "layers": {n: {k: (tuple(t.clone() for t in v) if isinstance(v, tuple)
+                                   else v.clone() if isinstance(v, torch.Tensor) else v)
+                               for k, v in s.items()}
+                           for n, s in self._state.items()}}
+
+    def load_preconditioner_state_dict(self, state):
+        if set(state["layers"]) != set(self._state):
+            raise ValueError(f"state_dict layers {sorted(state['layers'])} do not match the "
+                             f"preconditioned modules {sorted(self._state)}")
+        loaded = {}
+        for name, saved in state["layers"].items():
+            own = self._state[name]
+            for key in ("A", "G"):
+                if (key in saved) != (key in own) or (
+                        key in own and saved[key].shape != own[key].shape):
+                    raise ValueError(f"{name}.{key}: the saved factor does not fit this layer "
+                                     "(a different model or max_factor_dim?)")
+            dev = own["updates"].device
+            loaded[name] = {k: _to_device(v, dev, self._dtype) for k, v in saved.items()}
+        self._steps = state["steps"]
+        self._state = loaded
+
+    # -- the step -----------------------------------------------------------------------
+    def _batch_factors(self):
+        """[(layer, A_new, G_new, present)] of this step: one process's factors on the union
+        of the ranks' rows (module docstring). ``present``: None (the layer has rows), False
+        (it has none, on one process), or a 0-d bool tensor (no host sync)."""
+        scale = self._step_scale if self._step_scale is not None else self._configured_scale()
+        mine = {l.name: self._capture.stats(l.name) for l in self._layers}
+        mine = {name: stats for name, stats in mine.items() if stats is not None}
+        self._check_captured(self._layers, bool(mine))
+        world = world_size(self.process_group)
+        if world == 1 or not self._layers:
+            out = []
+            for layer in self._layers:
+                if layer.name not in mine:  # not called since the last factor update
+                    out.append((layer, None, None, False))
+                    continue
+                a_sum, rows, s_sum, samples = mine[layer.name]
+                if not isinstance(rows, torch.Tensor) and rows == 0:
+                    out.append((layer, None, None, False))  # only calls with 0 rows
+                    continue
+                present = rows > 0 if isinstance(rows, torch.Tensor) else None
+                rows = rows.clamp(min=1) if isinstance(rows, torch.Tensor) else rows
+                # s_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
+                # number divided by it would round the factor N / s^2 to float32
+                out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
+            return out
+        items, counts = [], []
+        for layer in self._layers:
+            if layer.name not in mine:
+                items.append(None)
+                counts.append(0)
+                continue
+            a_sum, rows, s_sum, samples = mine[layer.name]
+            extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if _per_sample(
+                layer) else []
+            items.append([a_sum, s_sum] + extra)
+            counts.append(rows)
+        reduction = self._packet.all_reduce(items, self._layers[0].module.weight.device,
+                                            self.process_group, counts=counts)
+        self.communicated_bytes += self._packet.nbytes
+        out = []
+        for layer, (sums, rows) in zip(self._layers, reduction.wait(self._packet.dtype)):
+            A_sum, S_sum = sums[0], sums[1]
+            samples = sums[2][0] if _per_sample(layer) else rows
+            dev = layer.module.weight.device
+            A = A_sum / rows.clamp(min=1)
+            # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
+            # each rank's g_i being its mean loss's gradient and DDP averaging over P ranks
+            G = S_sum * samples / world / world / scale / scale
+            out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
+        return out
+
+    def _update_factors(self):
+        beta = self.factor_decay
+        for layer, A_new, G_new, present in self._batch_factors():
+            s = self._state[layer.name]
+            if present is False:
+                s["no_rows"] = s["no_rows"] + 1
+                continue
+            finite = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+            ok = finite
+            first = s["updates"] == 0
+            blends = {}
+            for key, new in (("A", A_new), ("G", G_new)):
+                if key in s:  # "batch": the first accepted update takes the batch factor
+                    blends[key] = torch.where(first & (self.factor_init == "batch"), new,
+                                              beta * s[key] + (1 - beta) * new)
+                    ok = ok & torch.isfinite(blends[key]).all()
+            overflow = finite & ~ok  # finite statistics, non-finite EMA
+            if present is not None:  # a 0-d bool: whether any rank had rows
+                s["no_rows"] = s["no_rows"] + (~present).long()
+                finite, overflow, ok = finite | ~present, overflow & present, ok & present
+            for key, blended in blends.items():
+                s[key] = torch.where(ok, blended, s[key])
+            s["updates"] = s["updates"] + ok.long()
+            s["non_finite"] = s["non_finite"] + (~finite).long()
+            s["overflow"] = s["overflow"] + overflow.long()
+
+    def _decompose_all(self):
+        for name, s in self._state.items():
+            for key in ("A", "G"):
+                if key not in s:
+                    continue
+                result, attempts = _decompose(s[key], self.damping, self.method)
+                self.decomposition_retries += attempts
+                if result is None:
+                    self.decomposition_failures += 1
+                    warnings.warn(f"KFAC: decomposing {name}.{key} failed in float32, float64 "
+                                  "and with extra damping; keeping its previous "
+                                  "decomposition", RuntimeWarning)
+                    continue
+                s[("eig_" if self.method == "eigen" else "inv_") + key] = result
+            s["decomposed"] = True
+
+    def _apply(self, layer, s, G_hat):
+        """V for one layer; an identity side is the factor I."""
+        if self.method == "eigen":
+            QA = QG = None
+            lamA = lamG = None
+            if "eig_A" in s:
+                lamA, QA = s["eig_A"]
+            if "eig_G" in s:
+                lamG, QG = s["eig_G"]
+            X = G_hat if QA is None else G_hat @ QA
+            X = X if QG is None else QG.T @ X
+            lam = (torch.outer(lamG if lamG is not None else X.new_ones(X.shape[0]),
+                               lamA if lamA is not None else X.new_ones(X.shape[1])))
+            X = X / (lam + self.damping)
+            X = X if QA is None else X @ QA.T
+            return X if QG is None else QG @ X
+        V = G_hat / (1 + self.damping) if "inv_A" not in s else G_hat @ s["inv_A"]
+        return V / (1 + self.damping) if "inv_G" not in s else s["inv_G"] @ V
+
+    @torch.no_grad()
+    def precondition(self):
+        """Factor / decomposition updates when due, then ``.grad`` <- nu * V."""
+        if self._detached:
+            return
+        if self.factor_update_due():
+            self._update_factors()
+        if self._steps % self.inv_freq == 0:
+            self._decompose_all()
+        self._capture.reset()
+        work = []
+        for layer in self._layers:
+            s, w, b = self._state[layer.name], layer.module.weight, layer.module.bias
+            if "decomposed" not in s or w.grad is None:
+                continue
+            G_hat = layer.type.grad_matrix(layer.module).to(self._dtype)
+            if layer.has_bias:
+                gb = b.grad if b.grad is not None else torch.zeros_like(b)
+                G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(self._dtype)], dim=1)
+            work.append((layer, G_hat, self._apply(layer, s, G_hat)))
+        nu = None
+        if self.kl_clip is not None and work:
+            lr = self.optimizer.param_groups[0]["lr"]
+            vg = torch.stack([(V * G).sum().to(work[0][2].device) for _, G, V in work]).sum()
+            vg = (vg * lr ** 2).abs()
+            # nu = 1 when the sum is 0 (nothing to clip); torch.where keeps it sync-free.
+            nu = torch.where(vg > 0, (self.kl_clip / torch.where(vg > 0, vg, 1.0)).sqrt(), 1.0)
+            nu = nu.clamp(max=1.0)
+        for layer, _, V in work:
+            if nu is not None:
+                V = V * nu.to(V.device)
+            w, b = layer.module.weight, layer.module.bias
+            d = layer.d_in - layer.has_bias
+            layer.type.set_grad_matrix(layer.module, V[:, :d].to(w.grad.dtype))
+            if layer.has_bias and b.grad is not None:
+                b.grad.copy_(V[:, -1])
+        self._steps += 1
+        self._step_scale = None
+        self._capture.refresh()  # the hooks' gate for the next step

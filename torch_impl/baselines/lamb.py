@@ -1,0 +1,189 @@
+r"""LAMB (You et al., ICLR 2020) as a ``torch.optim.Optimizer``: MKOR's BERT backbone.
+
+.. math::
+    \begin{aligned}
+    m_k &= \beta_1 m_{k-1} + (1-\beta_1) g_k, \qquad
+    v_k = \beta_2 v_{k-1} + (1-\beta_2) g_k^2 \\
+    r_k &= \frac{m_k / (1-\beta_1^k)}{\sqrt{v_k / (1-\beta_2^k)} + \epsilon} + \lambda p_{k-1} \\
+    \phi &= \|p_{k-1}\| / \|r_k\| \ (1 \text{ when either norm is } 0), \qquad
+    p_k = p_{k-1} - \eta\, \phi\, r_k
+    \end{aligned}
+
+per parameter tensor (the identity trust function), exactly as
+``reference.baselines.first_order.lamb``. The trust ratio uses ``torch.where``, so a step never
+synchronises with the host.
+
+torch.optim conventions (as ``torch.optim.AdamW``):
+
+* A **complex** parameter is its real view (``torch.view_as_real`` of the parameter, its
+  gradient and its state), so g^2 is |g|^2 per real component and the trust-ratio norms,
+  taken over the real view, are the complex norms.
+* ``maximize=True`` ascends: the step uses -g.
+* ``foreach``: True runs one ``torch._foreach_*`` kernel per operation over a group's
+  tensors (per device and dtype), with the same operations in the same order as the
+  per-tensor loop (bit-identical on the CPU, where the foreach kernels run per tensor);
+  False the loop; None (default) chooses like torch: foreach when every parameter is a
+  CUDA tensor, the loop otherwise (the CPU gains nothing from foreach).
+* ``fused``, ``capturable``, ``differentiable`` are accepted and stored like torch's, but
+  only off (``fused=None``/``False``, ``capturable=False``, ``differentiable=False``): this
+  LAMB has no fused kernel, reads its step count on the host and is not differentiable, so
+  True raises ``ValueError`` naming the keyword.
+
+Every hyperparameter is validated in the constructor and in each param-group dict (the
+initial groups and :meth:`add_param_group`), with a ``ValueError`` naming it. A sparse
+gradient is refused (``RuntimeError``) before any parameter or state changes.
+"""
+import torch
+
+from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
+
+__all__ = ["LAMB"]
+
+# keyword -> value a group gets when neither the group nor the constructor gives one
+# (also what an older state_dict without the keyword loads as)
+_OPTION_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
+                    "differentiable": False, "fused": None}
+
+
+def _check_group(group):
+    """ValueError naming the first invalid hyperparameter of ``group`` (a dict)."""
+    check_number("lr", group["lr"], low=0.0)
+    check_betas("betas", group["betas"])
+    check_number("eps", group["eps"], low=0.0)
+    check_number("weight_decay", group["weight_decay"], low=0.0)
+    check_choice("maximize", group["maximize"], (False, True))
+    check_choice("foreach", group["foreach"], (None, False, True))
+    check_torch_flags("LAMB", group)
+
+
+def _real(t):
+    """The real view of a complex tensor (torch.optim's convention); others as they are."""
+    return torch.view_as_real(t) if torch.is_complex(t) else t
+
+
+def _trust(p_norm, r_norm):
+    """||p|| / ||r||, 1 when either is 0 (elementwise over stacked norms too; sync-free)."""
+    usable = (p_norm > 0) & (r_norm > 0)
+    return torch.where(usable, p_norm / torch.where(usable, r_norm, 1.0), 1.0)
+
+
+def _lamb_loop(params, grads, ms, vs, steps, group):
+    """One LAMB step of ``group``, tensor by tensor (real views; ``steps`` already advanced)."""
+    beta1, beta2 = group["betas"]
+    for p, g, m, v, k in zip(params, grads, ms, vs, steps):
+        if group["maximize"]:
+            g = -g
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        r = (m / (1 - beta1 ** k)) / ((v / (1 - beta2 ** k)).sqrt() + group["eps"])
+        if group["weight_decay"] != 0:
+            r = r.add(p, alpha=group["weight_decay"])
+        trust = _trust(torch.linalg.vector_norm(p), torch.linalg.vector_norm(r))
+        p.sub_(group["lr"] * trust * r)
+
+
+def _lamb_foreach(params, grads, ms, vs, steps, group):
+    """The same step as :func:`_lamb_loop` with ``torch._foreach_*`` kernels, per (device,
+    dtype) bucket (the norms of a bucket are stacked for one trust-ratio computation)."""
+    beta1, beta2 = group["betas"]
+    eps, weight_decay, lr = group["eps"], group["weight_decay"], group["lr"]
+    buckets = {}
+    for i, p in enumerate(params):
+        buckets.setdefault((p.device, p.dtype), []).append(i)
+    for idx in buckets.values():
+        ps = [params[i] for i in idx]
+        gs = [grads[i] for i in idx]
+        ms_, vs_ = [ms[i] for i in idx], [vs[i] for i in idx]
+        if group["maximize"]:
+            gs = torch._foreach_neg(gs)
+        torch._foreach_mul_(ms_, beta1)
+        torch._foreach_add_(ms_, gs, alpha=1 - beta1)
+        torch._foreach_mul_(vs_, beta2)
+        torch._foreach_addcmul_(vs_, gs, gs, value=1 - beta2)
+        m_hat = torch._foreach_div(ms_, [1 - beta1 ** steps[i] for i in idx])
+        denom = torch._foreach_div(vs_, [1 - beta2 ** steps[i] for i in idx])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        rs = torch._foreach_div(m_hat, denom)
+        if weight_decay != 0:
+            torch._foreach_add_(rs, ps, alpha=weight_decay)
+        trust = _trust(torch.stack(torch._foreach_norm(ps)), torch.stack(torch._foreach_norm(rs)))
+        torch._foreach_mul_(rs, (lr * trust).unbind(0))
+        torch._foreach_sub_(ps, rs)
+
+
+class LAMB(torch.optim.Optimizer):
+    """LAMB.
+
+    Args:
+        params: iterable of parameters or param-group dicts.
+        lr: learning rate eta (>= 0). betas: (beta1, beta2), each in [0, 1).
+        eps: added to sqrt(v_hat) (>= 0). weight_decay: lambda (>= 0), inside the
+            trust-ratio update as in the LAMB paper.
+        maximize: ascend the objective (default False).
+        foreach: None (default; foreach on CUDA, the loop otherwise), True or False
+            (module docstring).
+        capturable, differentiable, fused: only their off values (False, False, None /
+            False) are supported; stored in the groups like torch's.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False,
+                 fused=None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused)
+        _check_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch's ``add_param_group``, after validating the group's hyperparameters (its
+        own, or the constructor's it falls back to)."""
+        if isinstance(param_group, dict):
+            _check_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # a state_dict saved before these keywords existed
+            for key, value in _OPTION_DEFAULTS.items():
+                group.setdefault(key, value)
+
+    @staticmethod
+    def _use_foreach(group, params):
+        if group["foreach"] is not None:
+            return group["foreach"]
+        return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_cuda for p in params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # refuse before changing anything, in any group
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("LAMB does not support sparse gradients")
+        for group in self.param_groups:
+            params, grads, ms, vs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    # The step count lives on the CPU (as in torch.optim): no device sync.
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                params.append(_real(p))
+                grads.append(_real(p.grad))
+                ms.append(_real(state["exp_avg"]))
+                vs.append(_real(state["exp_avg_sq"]))
+                steps.append(int(state["step"].item()))
+            if not params:
+                continue
+            run = _lamb_foreach if self._use_foreach(group, group["params"]) else _lamb_loop
+            run(params, grads, ms, vs, steps, group)
+        return loss

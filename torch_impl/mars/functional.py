@@ -1,0 +1,215 @@
+"""Functional forms of the optimizers, in the manner of ``torch.optim``'s functional API.
+
+``mars(...)`` and ``mars_m(...)`` take parallel lists (parameters, gradients, state tensors,
+CPU step counters, routes) and every hyperparameter as a keyword; they update everything in
+place.  The ``Optimizer`` classes only gather those lists from their groups and call these.
+Each dispatches to a single-tensor loop, the multi-tensor (foreach) kernels or the compiled
+kernels; all three run the same equation functions (``mars_equations``, ``mars_m_equations``).
+"""
+import torch
+
+from . import mars_compiled
+from . import mars_m_compiled
+from . import mars_equations as F
+from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
+                                efficient_argument, efficient_buffer_, mars_m_direction,
+                                mars_m_momentum_, mars_m_step_, match_rms_scale,
+                                resolve_hyperparameters)
+from ..common.tensor_ops import FOREACH, SINGLE
+
+__all__ = ["mars", "mars_m", "corrected_norms", "default_foreach"]
+
+
+def default_foreach(params):
+    """``foreach=None``: the multi-tensor kernels when every parameter is on CUDA."""
+    return bool(params) and all(p.is_cuda for p in params)
+
+
+def corrected_norms(grads, last_grads, kinds, gamma, beta1, *, maximize=False):
+    """||c_t||_F of every MARS-path tensor without changing anything: the first pass of the
+    global clip, whose one norm spans every group with ``clip_scope="global"``."""
+    a = F.correction_coefficient(gamma, beta1)
+    return [torch.linalg.vector_norm(F.corrected_gradient_(last.clone(), -g if maximize else g, a))
+            for g, last, kind in zip(grads, last_grads, kinds) if kind != F.FALLBACK]
+
+
+def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, state_steps, kinds,
+         *, lr, betas, eps, weight_decay, amsgrad, gamma, lr_1d_factor, betas_1d,
+         weight_decay_1d, weight_decay_1d_source="constructor", clip_scope="tensor",
+         orthogonalizer="newton_schulz", ns_steps=5, ns_dtype=torch.bfloat16,
+         shampoo_scales=None, maximize=False, foreach=None, compiled=False,
+         write_last_grad=True, global_clip_norm=None):
+    r"""One MARS step (M1-M14) over parallel lists; see ``torch_impl.MARS`` for the algorithm.
+
+    ``kinds[i]`` is ``mars_equations.route(...)`` of tensor i; ``exp_avg_sqs`` /
+    ``max_exp_avg_sqs`` / ``last_grads`` hold ``None`` where a route keeps no such buffer.
+    ``state_steps`` are CPU tensors, incremented here.  ``write_last_grad``: approx mode keeps
+    the raw g_t for the next step; exact mode leaves c~_t (the caller refills ``last_grad``).
+    ``global_clip_norm``: the joint norm when it spans more than these tensors (else computed
+    here).  ``shampoo_scales[i]`` overrides s for a Shampoo matrix (``None``: from its shape).
+    """
+    hp = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
+              lr_1d_factor=lr_1d_factor, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
+              weight_decay_1d_source=weight_decay_1d_source)
+    if not params:
+        return
+    if torch.compiler.is_compiling():  # torch.compile(opt.step): Inductor fuses the traced
+        compiled, foreach = False, False  # loop itself; counters stay tensors (_step_count)
+    torch._foreach_add_(state_steps, 1.0)  # one CPU kernel for every counter
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if clip_scope == "global" and global_clip_norm is None:
+        global_clip_norm = F.global_norm(corrected_norms(grads, last_grads, kinds, gamma, betas[0]))
+    buffers = [params, grads, exp_avgs, exp_avg_sqs,
+               max_exp_avg_sqs if amsgrad else [None] * len(params), last_grads]
+    if shampoo_scales is None:
+        shampoo_scales = [None] * len(params)
+    shampoo = dict(orthogonalizer=orthogonalizer, ns_steps=ns_steps, ns_dtype=ns_dtype)
+    if compiled:
+        eager = [i for i, k in enumerate(kinds) if k == F.SHAMPOO]  # matmul-bound: stays eager
+        fused = [i for i, k in enumerate(kinds) if k != F.SHAMPOO]
+        mars_compiled.update([_take(b, fused) for b in buffers], [state_steps[i] for i in fused],
+                             [kinds[i] for i in fused], hp, clip_scope, global_clip_norm,
+                             write_last_grad, grouped=compiled == "group")
+        buffers, kinds = [_take(b, eager) for b in buffers], [kinds[i] for i in eager]
+        state_steps, shampoo_scales = _take(state_steps, eager), _take(shampoo_scales, eager)
+        foreach = False
+    if foreach is None:
+        foreach = default_foreach(params)
+    run = _multi_tensor_mars if foreach else _single_tensor_mars
+    run(buffers, state_steps, kinds, hp, clip_scope, global_clip_norm, write_last_grad,
+        shampoo, shampoo_scales)
+
+
+def _take(xs, idx):
+    return [xs[i] for i in idx]
+
+
+def _single_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, shampoo, scales):
+    """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
+    hypers = {kind: F.resolve_hyperparameters(hp, kind) for kind in set(kinds)}
+    for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
+        h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
+        if kind == F.FALLBACK:  # (M14) on the raw gradient
+            F.adamw_rule_(p, g, m, v, None, h, SINGLE)
+            continue
+        c = F.corrected_gradient_(last, g, h.a, SINGLE)
+        if scope == "tensor":
+            F.clip_tensor_(c, SINGLE.norm(c), SINGLE)
+        elif scope == "global":
+            SINGLE.divide_by_clamped_(c, total)
+        if kind == F.LION:
+            F.lion_rule_(p, c, m, h, SINGLE)
+        elif kind == F.SHAMPOO:
+            F.momentum_(m, c, h.beta1, SINGLE)
+            F.shampoo_step_(p, m, h, scale=scale, **shampoo)
+        else:
+            F.adamw_rule_(p, c, m, v, v_max, h, SINGLE)
+        if write_last:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
+            last.copy_(g)
+
+
+def _multi_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, shampoo, scales):
+    """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
+    dtype) bucket."""
+    buckets = {}
+    for i, (p, kind) in enumerate(zip(buffers[0], kinds)):
+        buckets.setdefault((kind, p.device, p.dtype), []).append(i)
+    for (kind, _, _), idx in buckets.items():
+        ps, gs, ms, vs, vmaxs, lasts = (_take(b, idx) for b in buffers)
+        h = F.with_bias_corrections(F.resolve_hyperparameters(hp, kind),
+                                    [steps[i].item() for i in idx], FOREACH)
+        if kind == F.FALLBACK:
+            F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)
+            continue
+        cs = F.corrected_gradient_(lasts, gs, h.a, FOREACH)
+        if scope == "tensor":
+            F.clip_tensor_(cs, FOREACH.norm(cs), FOREACH)
+        elif scope == "global":
+            FOREACH.divide_by_clamped_(cs, [total] * len(cs))
+        if kind == F.LION:
+            F.lion_rule_(ps, cs, ms, h, FOREACH)
+        elif kind == F.SHAMPOO:  # the orthogonalizer is a matrix function: one call per tensor
+            F.momentum_(ms, cs, h.beta1, FOREACH)
+            for i, p, m in zip(idx, ps, ms):
+                F.shampoo_step_(p, m, h, scale=scales[i], **shampoo)
+        else:
+            F.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h, FOREACH)
+        if write_last:
+            FOREACH.copy_(lasts, gs)
+
+
+def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, state_steps,
+           kinds, *, lr, weight_decay, momentum, gamma, ns_steps=5, ns_dtype=torch.bfloat16,
+           clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
+           maximize=False, foreach=None, compiled=False, write_last_grad=True):
+    r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
+
+    ``kinds[i]``: "mars_m", "mars_m_efficient" or "adamw".  Buffers that a kind does not keep
+    are ``None``.  ``shape_scales[i]`` overrides 0.2 sqrt(max(A, B)) (``None``: p's shape).
+    ``state_steps`` (CPU tensors) are incremented here.  ``compiled``: one
+    ``torch.compile``d call per tensor (``mars_m_compiled``), the same equations.
+    """
+    if not params:
+        return
+    hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, gamma=gamma,
+              adamw_betas=adamw_betas, adamw_eps=adamw_eps)
+    torch._foreach_add_(state_steps, 1.0)
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if shape_scales is None:
+        shape_scales = [None] * len(params)
+    if torch.compiler.is_compiling():  # torch.compile(opt.step): the traced loop is fused
+        compiled, foreach = False, False
+    if foreach is None:
+        foreach = default_foreach(params)
+    columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
+                       state_steps, kinds, shape_scales))
+    if compiled:
+        mars_m_compiled.update(columns, hp, clip_c, ns_steps, ns_dtype, write_last_grad)
+        return
+    for kind in (MATRIX, EFFICIENT, BACKUP):
+        rows = [r for r in columns if r[7] == kind]
+        if not rows:
+            continue
+        h = resolve_hyperparameters(hp, kind)
+        if kind == BACKUP:
+            _mars_m_backup(rows, h, foreach)
+        else:
+            _mars_m_matrices(rows, h, kind, gamma, clip_c, ns_steps, ns_dtype, foreach, write_last_grad)
+
+
+def _mars_m_matrices(rows, h, kind, gamma, clip, ns_steps, ns_dtype, foreach, write_last):
+    ps, gs, bufs, lasts = ([r[i] for r in rows] for i in range(4))
+    if kind == EFFICIENT:
+        if foreach:
+            efficient_buffer_(bufs, gs, gamma, h.beta1, FOREACH)
+        else:
+            for b, g in zip(bufs, gs):
+                efficient_buffer_(b, g, gamma, h.beta1, SINGLE)
+        args = [efficient_argument(b, g, gamma, h.beta1) for b, g in zip(bufs, gs)]
+    elif foreach:
+        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)
+    else:
+        args = [mars_m_momentum_(b, g, last, h, clip, SINGLE) for b, g, last in zip(bufs, gs, lasts)]
+    for p, m, r in zip(ps, args, rows):  # Newton-Schulz: one matrix function per matrix
+        scale = match_rms_scale(p.shape) if r[8] is None else r[8]
+        if p.numel():
+            mars_m_step_(p, mars_m_direction(m, ns_steps, ns_dtype), h, scale)
+    if write_last and kind == MATRIX:  # the raw g_t, copied (never an alias of p.grad)
+        if foreach:
+            FOREACH.copy_(lasts, gs)
+        else:
+            for last, g in zip(lasts, gs):
+                last.copy_(g)
+
+
+def _mars_m_backup(rows, h, foreach):
+    if foreach:
+        ks = [r[6].item() for r in rows]  # CPU counters: no sync
+        F.with_bias_corrections(h, ks, FOREACH)
+        backup_adamw_step_(*([r[i] for r in rows] for i in (0, 1, 4, 5)), h, FOREACH)
+        return
+    for p, g, _, _, m, v, k, _, _ in rows:
+        backup_adamw_step_(p, g, m, v, F.with_bias_corrections(h, F._step_count(k), SINGLE),
+                           SINGLE)

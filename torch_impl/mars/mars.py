@@ -1,0 +1,433 @@
+"""``MARS``: variance-reduced preconditioned optimizer (arXiv 2411.10438) as a torch.optim.Optimizer."""
+from typing import NamedTuple
+
+import torch
+from torch.optim import Optimizer
+
+from . import exact_mode
+from . import functional
+from . import mars_equations as F
+from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
+from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
+    check_number as _check_number, check_torch_flags as _check_torch_flags
+
+MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
+CLIP_SCOPES = ("tensor", "global", "none")
+ORTHOGONALIZERS = ("newton_schulz", "svd")
+WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
+SHAPE_LAYOUTS = ("out_in", "in_out")
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class MARS(Optimizer):
+    r"""MARS: scaled stochastic recursive momentum, then a preconditioner.
+
+    .. math::
+        \begin{aligned}
+        &\textbf{for } t = 1, 2, \dots: \\
+        &\quad g_t = \nabla f(x_t, \xi_t), \qquad
+              a = \gamma \beta_1 / (1 - \beta_1) \\
+        &\quad c_t = g_t + a\,(g_t - g_{\text{prev}})
+              && \text{(M1 exact: } g_{\text{prev}} = \nabla f(x_{t-1}, \xi_t);
+                 \text{ M2 approx: } g_{\text{prev}} = g_{t-1};\ g_{\text{prev}} = 0 \text{ at } t = 1) \\
+        &\quad \tilde c_t = c_t / \max(1, \|c_t\|)
+              && \text{(M3; norm per tensor, or global, or no clip)} \\
+        &\quad m_t = \beta_1 m_{t-1} + (1 - \beta_1)\,\tilde c_t && \text{(M4)} \\
+        &\quad \text{mars-adamw: } v_t = \beta_2 v_{t-1} + (1 - \beta_2)\,\tilde c_t^2,\
+              u_t = \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+              && \text{(M6, M7; } v \to \max(\bar v, v) \text{ with amsgrad, M9)} \\
+        &\quad \text{mars-lion: } u_t = \operatorname{sign}(m_t) && \text{(M10)} \\
+        &\quad \text{mars-shampoo (2-D): } u_t = \sqrt{\max(1, A/B)}\;
+              \mathrm{NS}_5\big(m_t / (1 - \beta_1)\big) && \text{(M12, M13; or } UV^\top \text{, M11)} \\
+        &\quad x_{t+1} = x_t - \eta\,(u_t + \lambda x_t) && \text{(M8)}
+        \end{aligned}
+
+    Tensors that are not 2-D (biases, norms, 4-D convolution kernels) take plain AdamW on the
+    raw gradient unless ``optimize_1d=True`` (M14): betas ``betas_1d``, learning rate
+    ``lr * lr_1d / lr0`` (``lr0`` the constructor's ``lr``, so the ratio follows any schedule on
+    ``group["lr"]``) and weight decay ``weight_decay_1d``.
+
+    Args (names and defaults of the official class):
+        params: iterable of parameters or parameter-group dicts.
+        lr (float or Tensor): :math:`\eta` (a one-element CPU tensor, as torch.optim.AdamW
+            takes). Default ``3e-3``.
+        betas (tuple): :math:`(\beta_1, \beta_2)`. Default ``(0.95, 0.99)``.
+        eps (float): :math:`\epsilon`; also Newton-Schulz's eps. Default ``1e-8``.
+        weight_decay (float): :math:`\lambda`, decoupled. Default ``0``.
+        amsgrad (bool): use :math:`\bar v_t` (M9) in the AdamW rule; a ValueError with
+            mars-lion, or mars-shampoo without ``optimize_1d``, where it could act on nothing.
+            Default ``False``.
+        gamma (float): :math:`\gamma \in [0, 1]` (0: plain EMA, i.e. AdamW/Lion; 1: STORM).
+            Default ``0.025``.
+        is_approx (bool): ``True`` for (M2); ``False`` for the exact correction (M1), which needs
+            ``step(closure)`` and costs a second forward+backward per step plus one
+            parameter-sized buffer (x_{t-1}); the authors' loop (``update_previous_grad()``
+            on the next batch, ``step()``, ``update_last_grad()``) also works. Default ``True``.
+        mars_type (str): ``"mars-adamw"``, ``"mars-lion"`` or ``"mars-shampoo"``.
+        optimize_1d (bool): send non-2-D tensors through MARS too. Default ``False``.
+        lr_1d (float), betas_1d (tuple), weight_decay_1d (float): the fallback's
+            hyperparameters. Defaults ``3e-3``, ``(0.9, 0.95)``, ``0.1``.  Each may be set
+            per parameter group; a group's ``lr_1d`` is stored as ``lr_1d_factor`` =
+            ``lr_1d / lr`` of that group.
+
+    Keyword-only (the documented deviations; ``paper_notes/mars.md``):
+        clip_scope: ``"tensor"`` (official), ``"global"`` (paper: one norm over every MARS tensor
+            of every group with this scope) or ``"none"``.
+        orthogonalizer: ``"newton_schulz"`` (official) or ``"svd"`` (paper's UV^T).
+        ns_steps (int): Newton-Schulz steps. Default 5.
+        ns_dtype: dtype of the Newton-Schulz iteration. Default ``torch.bfloat16`` (official).
+        weight_decay_1d_source: ``"constructor"`` (official: ``weight_decay_1d``) or
+            ``"group"`` (the group's ``weight_decay``).
+        state_dtype: the dtype the state (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+            ``last_grad``) is *stored* in.  A step computes in the wider of the parameter's
+            dtype and ``state_dtype`` (``torch.promote_types``: float32 for bf16 with fp16):
+            float32 parameters with bf16 state compute in float32 and store the new state
+            rounded to bf16; bf16 parameters with float32 state compute in a float32 working
+            copy of the parameter, written back once per step.  The parameter keeps its dtype
+            and is only ever rounded to that dtype (float32 parameters with ``lr=0`` do not
+            change at all), so a bf16 parameter still loses a step below half its ulp (keep
+            float32 master weights when that matters).  Exact mode's ``prev_param`` and
+            ``previous_grad`` keep the parameter's and the gradient's dtype.
+            ``load_state_dict`` keeps the state in ``state_dtype`` (torch would cast it to the
+            parameter's dtype).  Default ``None``: the parameter's own dtype.
+        maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
+            picks them when every parameter is on CUDA.
+        compiled (bool or str): ``True`` / ``"tensor"``: run each tensor's elementwise step as
+            one ``torch.compile``d kernel (``mars_compiled.py``; one reduction pass for the clip
+            norm, one fused pass for the rest), built from the same equation functions as the
+            eager paths.  ``"group"``: the same kernels, one compiled call per group and route,
+            which removes the per-tensor call overhead at the price of a longer first
+            compilation and a recompilation whenever the set of parameters with gradients
+            changes.  Schedules and step counts enter as tensors and lengths are dynamic, so
+            later steps do not recompile.  MARS-Shampoo matrices keep the eager path.
+            Measured costs: README, "Performance".
+        shape_layout: ``"out_in"`` (default) or ``"in_out"``: how a 2-D parameter stores its
+            matrix.  MARS-Shampoo's s = sqrt(max(1, A/B)) is taken from the true (out, in)
+            shape, so give a group of transformers ``Conv1D`` weights (stored in x out)
+            ``shape_layout="in_out"``.
+        fused (None or False), capturable (False), differentiable (False): accepted, as other
+            ``torch.optim`` optimizers take them (torchtitan passes ``fused`` and ``foreach``),
+            and stored in every group; ``True`` raises a ValueError naming the keyword, in the
+            constructor and in any group dict (there is no fused kernel, the step reads CPU
+            step counters on the host, and it runs under ``torch.no_grad``).
+
+    ``torch.compile(opt.step)`` traces the whole step (``_init_group`` follows torch's
+    protocol: it fills the lists it is given), for every ``mars_type``, with or without
+    ``foreach`` and with ``compiled=``; exact mode's closure re-evaluation is eager Python.
+
+    State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
+    rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
+    amsgrad; ``last_grad`` for tensors on the MARS path (a copy of the raw g, never an alias
+    of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = MARS(model.parameters(), lr=1e-3)
+        >>> model(torch.ones(3, 4)).square().mean().backward()
+        >>> opt.step()
+    """
+
+    def __init__(self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, gamma=0.025, is_approx=True, mars_type="mars-adamw",
+                 optimize_1d=False, lr_1d=3e-3, betas_1d=(0.9, 0.95), weight_decay_1d=0.1, *,
+                 clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
+                 ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
+                 state_dtype=None, maximize=False, foreach=None, compiled=False,
+                 shape_layout="out_in", fused=None, capturable=False, differentiable=False):
+        lr_value = _lr_value(lr)
+        _check_number("lr_1d", lr_1d, low=0.0)
+        if lr_value == 0.0 and lr_1d != 0.0:
+            raise ValueError("lr_1d: the 1-D learning rate is kept as the ratio lr_1d / lr, "
+                             "which is undefined for lr = 0; pass the peak lr and let a "
+                             "scheduler scale it")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        gamma=gamma, is_approx=is_approx, mars_type=mars_type,
+                        optimize_1d=optimize_1d,
+                        lr_1d_factor=lr_1d / lr_value if lr_value > 0 else 0.0,
+                        betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
+                        clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
+                        ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
+                        state_dtype=state_dtype, maximize=maximize, foreach=foreach,
+                        compiled=compiled, shape_layout=shape_layout, fused=fused,
+                        capturable=capturable, differentiable=differentiable)
+        _check_torch_flags("MARS", defaults)  # every group is checked again (add_param_group)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        if "lr_1d" in param_group:  # a group's own 1-D lr, kept as a ratio to the group's lr
+            param_group = dict(param_group)
+            lr_1d = param_group.pop("lr_1d")
+            lr = _lr_value(param_group.get("lr", self.defaults["lr"]))
+            _check_number("lr_1d", lr_1d, low=0.0)
+            if lr == 0.0 and lr_1d != 0.0:
+                raise ValueError("lr_1d: a group with lr = 0 cannot define lr_1d / lr")
+            param_group["lr_1d_factor"] = lr_1d / lr if lr > 0 else 0.0
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if any(g["is_approx"] != group["is_approx"] for g in self.param_groups):
+            self.param_groups.pop()
+            raise ValueError("is_approx: every parameter group must use the same mode, since "
+                             "exact mode re-evaluates the whole model at x_{t-1}")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # back-fill options added after a checkpoint was made
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        for st in self.state.values():  # a numeric step (older torch, other MARS ports)
+            if "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]))
+
+    def load_state_dict(self, state_dict):
+        """``Optimizer.load_state_dict``, keeping a ``state_dtype`` that differs from the
+        parameter's dtype (torch casts every floating state tensor to the parameter's dtype,
+        which would round float32 state of a bf16 parameter).  The caller's
+        ``register_load_state_dict_pre_hook`` hooks run first and are honoured: the state is
+        taken from the dict they return, through torch's own id map: a pre-hook of ours, run
+        after theirs, wraps the state of every group with a ``state_dtype`` so that torch's
+        cast passes it by, and a post-hook, run before theirs, unwraps it in that dtype."""
+        pre = self.register_load_state_dict_pre_hook(shield_state_dtype)  # after the caller's
+        post = self.register_load_state_dict_post_hook(unshield_state_dtype, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one step and returns the closure's loss (``None`` without a closure).
+
+        Approx mode: ``closure`` is optional.  Exact mode (``is_approx=False``): ``closure`` is
+        required; it must compute the loss on the current batch and call ``backward()``.  The
+        optimizer calls it at x_{t-1} (to get grad f(x_{t-1}, xi_t)) and then at x_t, restoring
+        the random-number state in between so that dropout-like randomness is the same sample.
+        """
+        exact = not self.param_groups[0]["is_approx"]
+        if exact and closure is None and exact_mode.uses_authors_api(self):
+            loss = None  # last_grad comes from update_last_grad() (the authors' loop)
+            exact_mode.warn_if_scaled_previous_grad(self)
+        elif exact:
+            if closure is None:
+                raise RuntimeError(
+                    "MARS exact mode (is_approx=False) needs the gradient at the previous "
+                    "iterate on the current batch: call opt.step(closure) with a closure that "
+                    "computes the loss on the current batch, calls loss.backward() and returns "
+                    "the loss (or use the authors' update_previous_grad()/update_last_grad() "
+                    "loop); or construct MARS(..., is_approx=True)")
+            loss = self._evaluate_at_previous_iterate_then_current(closure)
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+        self._check_gradients()
+        work = []
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = [], [], [], [], []
+            last_grads, steps, kinds, scales = [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                             last_grads, steps, kinds, scales)
+            work.append(_group_work(group, params, grads, exp_avgs, exp_avg_sqs,
+                                    max_exp_avg_sqs, last_grads, steps, kinds, scales))
+        total = F.global_norm([n for group, w in zip(self.param_groups, work)
+                               if group["clip_scope"] == "global"
+                               for n in functional.corrected_norms(
+                                   w.grads, w.last_grads, w.kinds, group["gamma"],
+                                   group["betas"][0], maximize=group["maximize"])])
+        for group, w in zip(self.param_groups, work):
+            functional.mars(w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.max_exp_avg_sqs,
+                            w.last_grads, w.steps, w.kinds, write_last_grad=not exact,
+                            global_clip_norm=total, shampoo_scales=w.scales,
+                            **_functional_keywords(group))
+            for stored, working in w.write_back:  # computed in a wider dtype than stored
+                stored.copy_(working)
+        return loss
+
+    def _check_gradients(self):
+        """Reject unsupported inputs before any state changes, so a bad step loses nothing."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("MARS does not support sparse gradients")
+                if p.grad is not None and torch.is_complex(p):
+                    raise RuntimeError("MARS does not support complex parameters; optimize "
+                                       "torch.view_as_real(p) as a real parameter instead")
+
+    def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                    last_grads, steps, kinds, scales):
+        """Append the group's live tensors (grad not None) to the given lists, creating state
+        lazily (torch.optim's protocol, which ``torch.compile`` runs eagerly at trace time).
+
+        The tensors are the stored ones, in their own dtypes; ``_group_work`` makes the working
+        copies that a ``state_dtype`` different from a parameter's dtype needs.
+        """
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            kind = F.route(p.shape, group["mars_type"], group["optimize_1d"])
+            st, dtype = self.state[p], group["state_dtype"] or p.dtype
+            buffers = ["exp_avg"]
+            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []
+            buffers += ["max_exp_avg_sq"] if kind == F.ADAMW and group["amsgrad"] else []
+            buffers += ["last_grad"] if kind != F.FALLBACK else []
+            for name in buffers:  # lazily: a buffer that a later option needs appears then
+                if name not in st:
+                    st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0)
+            params.append(p)
+            grads.append(p.grad)
+            for name, column in (("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
+                                 ("max_exp_avg_sq", max_exp_avg_sqs),
+                                 ("last_grad", last_grads)):
+                column.append(st.get(name) if name in buffers else None)
+            steps.append(st["step"])
+            kinds.append(kind)
+            scales.append(_true_shape_scale(p, group))
+
+    def _evaluate_at_previous_iterate_then_current(self, closure):
+        """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t
+        (``exact_mode.evaluate_at_previous_then_current``)."""
+        return exact_mode.evaluate_at_previous_then_current(self, closure)
+
+    @property
+    def gamma(self):
+        """The first group's gamma (``train_mars.py`` reads ``optimizer.gamma``)."""
+        return self.param_groups[0]["gamma"]
+
+    def update_previous_grad(self, *, grad_scaler=None):
+        """The authors' exact-mode API, step 1 of their loop: keep the gradient now in ``.grad``
+        (the *next* batch at the current point) as ``previous_grad``.  No-op in approx mode.
+        The closure form of ``step`` is the recommended one (README, "Exact mode"), but torch
+        refuses closures under a ``GradScaler``; there, pass the scaler::
+
+            scaler.scale(loss_fn(model, next_batch)).backward()
+            opt.update_previous_grad(grad_scaler=scaler)   # stores grad / scale
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss_fn(model, batch)).backward()
+            scaler.step(opt)                                # unscales .grad, may skip
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            opt.update_last_grad()
+
+        ``grad_scaler``: the ``torch.amp.GradScaler`` that scaled this backward; the stored
+        gradient is divided by its current scale (read as a tensor: no host sync).  If any
+        stored gradient is not finite (the scale overflowed, the case where the scaler would
+        skip a step), every tensor's ``previous_grad`` of this call is set to 0: the next step
+        takes g_prev = 0, the start of the recursion (step 1's c = (1 + a) g), rather than a
+        correction from a gradient that was never finite.  Without ``grad_scaler`` the scaled
+        gradient would be stored and the correction would be off by the loss scale; ``step``
+        warns once when it sees a GradScaler drive it after such a call."""
+        keeps_last_grad = (lambda p, group: F.route(
+            p.shape, group["mars_type"], group["optimize_1d"]) != F.FALLBACK)
+        exact_mode.update_previous_grad(self, keeps_last_grad, grad_scaler=grad_scaler)
+
+    def update_last_grad(self):
+        """The authors' exact-mode API, after ``step``: ``last_grad`` <- ``previous_grad``."""
+        exact_mode.update_last_grad(self)
+
+    @property
+    def _step_supports_amp_scaling(self):
+        """Read by ``GradScaler.step`` just before it calls ``step()``: notes that a scaler
+        drives this step (for the authors' loop warning); False, as for any optimizer that
+        leaves unscaling and inf-skipping to the scaler."""
+        exact_mode.note_grad_scaler(self)
+        return False
+
+
+class _GroupWork(NamedTuple):
+    """One group's columns for ``functional.mars``, in the step's compute dtype, and the
+    (stored, working) pairs to copy back after the update."""
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    max_exp_avg_sqs: list
+    last_grads: list
+    steps: list
+    kinds: list
+    scales: list
+    write_back: list
+
+
+def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads,
+                steps, kinds, scales):
+    """The columns in each tensor's compute dtype, the wider of the parameter's dtype and
+    ``state_dtype``: working copies where a stored tensor is narrower (written back, rounded to
+    the stored dtype, after the update); gradients are only read."""
+    write_back = []
+    dtypes = [torch.promote_types(p.dtype, group["state_dtype"] or p.dtype) for p in params]
+    columns = [working_copies(c, dtypes, write_back)
+               for c in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads)]
+    grads = working_copies(grads, dtypes, None)
+    return _GroupWork(columns[0], grads, columns[1], columns[2], columns[3], columns[4], steps,
+                      kinds, scales, write_back)
+
+
+def _functional_keywords(group):
+    """The group's hyperparameters as ``functional.mars`` keywords (read at every step)."""
+    keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "gamma", "lr_1d_factor", "betas_1d",
+            "weight_decay_1d", "weight_decay_1d_source", "clip_scope", "orthogonalizer",
+            "ns_steps", "ns_dtype", "maximize", "foreach", "compiled")
+    return {k: group[k] for k in keys}
+
+
+def _true_shape_scale(p, group):
+    """s for a Shampoo matrix stored transposed (``shape_layout="in_out"``: transformers'
+    Conv1D keeps W as in x out), from its true (out, in); ``None``: from p's own shape."""
+    if group.get("shape_layout", "out_in") == "in_out" and p.ndim == 2:
+        return F.shape_scale((p.shape[1], p.shape[0]))
+    return None
+
+
+def _lr_value(lr):
+    """The lr as a number: a float, or a one-element (CPU) tensor as torch.optim.AdamW takes;
+    it is read on the host at every step, so a CUDA tensor would synchronise and is refused."""
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or lr.is_cuda:
+            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
+        lr = lr.item()
+    _check_number("lr", lr, low=0.0)
+    return lr
+
+
+def _validate_group(g):
+    _lr_value(g["lr"])
+    _check_number("eps", g["eps"], low=0.0)
+    _check_number("weight_decay", g["weight_decay"], low=0.0)
+    _check_number("gamma", g["gamma"], low=0.0, high=1.0)
+    _check_number("lr_1d_factor", g["lr_1d_factor"], low=0.0)
+    _check_number("weight_decay_1d", g["weight_decay_1d"], low=0.0)
+    _check_betas("betas", g["betas"])
+    _check_betas("betas_1d", g["betas_1d"])
+    _check_choice("mars_type", g["mars_type"], MARS_TYPES)
+    _check_choice("clip_scope", g["clip_scope"], CLIP_SCOPES)
+    _check_choice("orthogonalizer", g["orthogonalizer"], ORTHOGONALIZERS)
+    _check_choice("weight_decay_1d_source", g["weight_decay_1d_source"], WEIGHT_DECAY_1D_SOURCES)
+    _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
+    if g["state_dtype"] is not None:
+        _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
+    if g["compiled"] is True:  # the documented spelling of the per-tensor mode
+        g["compiled"] = "tensor"
+    if g["compiled"] not in (False, "tensor", "group"):
+        raise ValueError(f"compiled: expected False, True/'tensor' or 'group', got {g['compiled']!r}")
+    for flag in ("amsgrad", "is_approx", "optimize_1d", "maximize"):
+        if not isinstance(g[flag], bool):
+            raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
+    if g["amsgrad"] and (g["mars_type"] == "mars-lion" or
+                         (g["mars_type"] == "mars-shampoo" and not g["optimize_1d"])):
+        raise ValueError(f"amsgrad: {g['mars_type']} keeps no second moment on these tensors "
+                         "(only the AdamW rule does: mars-adamw, or mars-shampoo's non-2-D "
+                         "tensors with optimize_1d=True), so amsgrad=True would be ignored")
+    _check_torch_flags("MARS", g)
+    if g["foreach"] not in (None, True, False):
+        raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
+    if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
+        raise ValueError(f"ns_steps: expected an int >= 1, got {g['ns_steps']!r}")

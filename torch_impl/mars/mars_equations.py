@@ -1,0 +1,208 @@
+"""MARS update math in PyTorch, one function per equation (mirrors ``reference/mars/mars.py``).
+
+Each equation is written once against an ``ops`` table (``tensor_ops``) and so serves every
+path: the single-tensor loop (``SINGLE``), the multi-tensor kernels (``FOREACH``) and the
+``torch.compile``d kernels (``COMPILED``, ``mars_compiled``).  The names are the oracle's; a
+trailing ``_`` marks an in-place form.  ``resolve_hyperparameters`` is the one place that
+turns a parameter group (or the functional's keywords) into the numbers a route uses.
+
+Nothing here synchronises with the device: the clip divides by ``clamp(norm, min=1)``
+instead of branching on the norm, and bias corrections come from CPU step counters.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..common.matrix_functions import newton_schulz, orthogonalize_svd
+from ..common.tensor_ops import SINGLE
+
+ADAMW, LION, SHAMPOO, FALLBACK = "adamw", "lion", "shampoo", "fallback"
+
+
+# ------------------------------------------------------------------ routing (2.5)
+
+def takes_mars_path(shape, optimize_1d):
+    """A tensor takes the mars_type update if it is 2-D or ``optimize_1d``; else (M14)."""
+    return len(shape) == 2 or optimize_1d
+
+
+def route(shape, mars_type, optimize_1d):
+    """The update a tensor takes: the mars_type rule, or the AdamW fallback (M14).
+    MARS-Shampoo's non-2-D tensors (with ``optimize_1d``) take the AdamW rule."""
+    if not takes_mars_path(shape, optimize_1d):
+        return FALLBACK
+    if mars_type == "mars-lion":
+        return LION
+    if mars_type == "mars-shampoo" and len(shape) == 2:
+        return SHAMPOO
+    return ADAMW
+
+
+# ------------------------------------------------------------------ hyperparameters
+
+@dataclass
+class Hyper:
+    """The numbers one route uses at one step (scalars; per-tensor lists under FOREACH)."""
+    lr: float
+    wd: float
+    a: float
+    beta1: float
+    beta2: float
+    eps: float
+    bc1: object = None
+    sqrt_bc2: object = None
+
+
+def resolve_hyperparameters(hp, kind):
+    """The one resolver: group dict (or functional keywords) -> the route's ``Hyper``.
+
+    MARS routes use (lr, weight_decay, betas, gamma); the fallback (M14) uses lr r,
+    ``betas_1d``, no correction, and ``weight_decay_1d`` or the group's ``weight_decay``
+    (``weight_decay_1d_source``)."""
+    if kind == FALLBACK:
+        b1, b2 = hp["betas_1d"]
+        wd = hp["weight_decay_1d"] if hp["weight_decay_1d_source"] == "constructor" \
+            else hp["weight_decay"]
+        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, hp["eps"])
+    b1, b2 = hp["betas"]
+    return Hyper(_number(hp["lr"]), hp["weight_decay"], correction_coefficient(hp["gamma"], b1),
+                 b1, b2, hp["eps"])
+
+
+def with_bias_corrections(h, ks, ops):
+    """``h`` with bc1 = 1 - beta1^k and sqrt(bc2) for step(s) ``ks`` (CPU numbers, or 0-d
+    tensors while ``torch.compile`` traces the step: ``_step_count``)."""
+    h.bc1 = ops.each(lambda k: 1.0 - h.beta1**k, ks)
+    h.sqrt_bc2 = ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks)
+    return h
+
+
+def _sqrt(x):
+    return x.sqrt() if torch.is_tensor(x) else math.sqrt(x)
+
+
+def _step_count(k):
+    """A CPU step counter as the bias corrections take it: a Python number (a host read of a
+    CPU tensor, no device sync), or the tensor itself while ``torch.compile`` traces the step
+    (``torch.compile(opt.step)``), where a number would be a graph break and a new constant,
+    hence a recompilation, at every step."""
+    return k if torch.compiler.is_compiling() else k.item()
+
+
+def _number(lr):
+    """A tensor lr (as torch.optim accepts) read as a number: it lives on the CPU.  While
+    ``torch.compile`` traces the step it stays a tensor, so that a scheduler writing into it
+    does not recompile (torch's advice for compiled optimizers)."""
+    return lr.item() if torch.is_tensor(lr) and not torch.compiler.is_compiling() else lr
+
+
+# ------------------------------------------------------------------ equations (2.1-2.4)
+
+def correction_coefficient(gamma, beta1):
+    """a = gamma beta1 / (1 - beta1)."""
+    return gamma * beta1 / (1.0 - beta1)
+
+
+def shape_scale(shape):
+    """s = sqrt(max(1, A / B)); 1 for an empty matrix, whose update is empty anyway."""
+    return max(1.0, shape[0] / shape[1]) ** 0.5 if shape[1] else 1.0
+
+
+def corrected_gradient_(g_prev, g, a, ops=SINGLE):
+    r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = lerp(g_prev, g_t, 1 + a), written
+    into the buffer that held g_prev: one pass, no temporary."""
+    return ops.lerp_(g_prev, g, 1.0 + a)
+
+
+def clip_tensor_(c, norm, ops=SINGLE):
+    r"""(M3), official scope: c <- c / max(||c||_F, 1), ``norm`` = ||c||_F of that tensor."""
+    return ops.divide_by_clamped_(c, norm)
+
+
+def clip_global_(cs, norms, ops=SINGLE):
+    r"""(M3), paper scope: every c divided by max(sqrt(sum ||c_i||^2), 1), one norm for all."""
+    if cs:
+        total = global_norm(norms)
+        if ops.name == "foreach":
+            ops.divide_by_clamped_(cs, [total] * len(cs))
+        else:
+            for c in cs:
+                ops.divide_by_clamped_(c, total)
+    return cs
+
+
+def global_norm(norms):
+    """sqrt(sum ||c_i||^2) of per-tensor norms (one device), ``None`` for no tensors."""
+    if not norms:
+        return None
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def momentum_(m, c, beta1, ops=SINGLE):
+    r"""(M4)  m <- beta1 m + (1 - beta1) c = lerp(m, c, 1 - beta1)."""
+    return ops.lerp_(m, c, 1.0 - beta1)
+
+
+def second_moment_(v, c, beta2, ops=SINGLE):
+    r"""(M6)  v <- beta2 v + (1 - beta2) c * c."""
+    ops.mul_(v, beta2)
+    return ops.addcmul_(v, c, c, 1.0 - beta2)
+
+
+def amsgrad_max_(v_max, v, ops=SINGLE):
+    r"""(M9)  v-bar <- max(v-bar, v), used in place of v in (M7)."""
+    return ops.maximum_(v_max, v)
+
+
+def adamw_step_(p, m, v, h, ops=SINGLE):
+    r"""(M7)+(M8)  p <- p (1 - lr wd) - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps).
+
+    Also (M14), the fallback, with its own ``h``.  One temporary (the denominator)."""
+    denom = ops.sqrt(v)
+    ops.div_(denom, h.sqrt_bc2)
+    ops.add_(denom, h.eps)
+    ops.decay_(p, h.lr, h.wd)
+    ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))
+
+
+def lion_step_(p, m, h, ops=SINGLE):
+    r"""(M10)  p <- p (1 - lr wd) - lr sign(m)."""
+    ops.decay_(p, h.lr, h.wd)
+    ops.add_scaled_(p, ops.sign(m), -h.lr)
+
+
+def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
+    r"""(M11)/(M12)  O(m / (1 - beta1)): Newton-Schulz with the optimizer's eps, or U V^T."""
+    scaled = m * (1.0 / (1.0 - beta1))
+    if orthogonalizer == "svd":
+        return orthogonalize_svd(scaled)
+    return newton_schulz(scaled, steps=ns_steps, eps=eps, dtype=ns_dtype)
+
+
+def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None):
+    r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1)); ``scale`` overrides s = s(p.shape)
+    (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape)."""
+    if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
+        return
+    direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
+    SINGLE.decay_(p, h.lr, h.wd)
+    p.add_(direction, alpha=-h.lr * (shape_scale(p.shape) if scale is None else scale))
+
+
+# ------------------------------------------------------------------ the rules, per route
+
+def adamw_rule_(p, c, m, v, v_max, h, ops=SINGLE):
+    """(M4), (M6), (M9), (M7)+(M8) given the clipped corrected gradient (or raw g for M14)."""
+    momentum_(m, c, h.beta1, ops)
+    second_moment_(v, c, h.beta2, ops)
+    if v_max is not None:
+        v = amsgrad_max_(v_max, v, ops)
+    adamw_step_(p, m, v, h, ops)
+
+
+def lion_rule_(p, c, m, h, ops=SINGLE):
+    """(M4), (M10)."""
+    momentum_(m, c, h.beta1, ops)
+    lion_step_(p, m, h, ops)

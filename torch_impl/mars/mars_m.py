@@ -1,0 +1,294 @@
+"""``MARSM``: MARS on Muon (arXiv 2510.21800) as a torch.optim.Optimizer, and ``MARS_M`` /
+``MARS_M_Efficient``, the same optimizer behind the authors' constructor keywords."""
+import torch
+from torch.optim import Optimizer
+
+from . import exact_mode
+from . import mars_m_equations as M
+from .functional import mars_m
+from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
+
+RULES = ("auto", "mars_m", "adamw")
+SHAPE_LAYOUTS = ("out_in", "in_out")
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class MARSM(Optimizer):
+    r"""MARS-M: the MARS correction on Muon's matrices, AdamW on everything else.
+
+    .. math::
+        \begin{aligned}
+        &\textbf{matrices (rule "mars_m"), for } t = 1, 2, \dots: \\
+        &\quad C_t = g_t + \tfrac{\gamma\beta}{1-\beta}\,(g_t - g_{\text{prev}})
+            && \text{(M2; exact: } g_{\text{prev}} = \nabla f(x_{t-1}, \xi_t);\ 0 \text{ at } t=1) \\
+        &\quad \tilde C_t = C_t / \max(1, \|C_t\|_F) && \text{(M3; } \texttt{clip\_c=False}: \tilde C_t = C_t) \\
+        &\quad M_t = \beta M_{t-1} + (1-\beta)\,\tilde C_t && \text{(M15)} \\
+        &\quad O_t = \mathrm{NS}_5(M_t) && \text{(M16; eps } 10^{-7}\text{, in ns\_dtype)} \\
+        &\quad x_{t+1} = x_t (1 - \eta\lambda) - \eta\cdot 0.2\sqrt{\max(A,B)}\; O_t && \text{(M17)} \\
+        &\textbf{efficient=True (M18, no clip, no } g_{t-1}\textbf{)}: \
+            b_t = \beta b_{t-1} + \tfrac{(1-\gamma)(1-\beta)}{\beta} g_t,\ M_t = \gamma g_t + \beta b_t \\
+        &\textbf{rule "adamw"}: m, v \text{ EMAs of } g, g^2 \text{ (adamw\_betas)},\
+            x \leftarrow x(1-\eta\lambda) - \eta\tfrac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,
+            \frac{m}{\epsilon + \sqrt v}
+        \end{aligned}
+
+    Args (the authors' names where torch has none: ``wd`` is ``weight_decay`` here):
+        params: parameters or group dicts.  A group's ``rule`` picks its update: ``"mars_m"``
+            (2-D matrices only), ``"adamw"``, or ``"auto"`` (default: ``"mars_m"`` for 2-D
+            tensors, ``"adamw"`` otherwise).  Put embeddings and the output head in an
+            ``"adamw"`` group, as the authors do.
+        lr (float or tensor): :math:`\eta`, both rules. Default ``1e-3``.
+        weight_decay (float): :math:`\lambda`, decoupled, both rules. Default ``0.1``.
+        momentum (float): :math:`\beta`. Default ``0.95``.
+        ns_steps (int): Newton-Schulz steps. Default ``5``.
+        gamma (float): :math:`\gamma`. Default ``0.025``.
+        clip_c (bool): clip :math:`C_t` to norm 1.  Default ``True``: the authors' behaviour
+            (their ``MARS_M`` clips whatever its ``clip_c`` says, spec B10).
+        is_approx (bool): ``False``: exact correction, via ``step(closure)`` or the authors'
+            ``update_previous_grad()`` / ``update_last_grad()`` loop. Default ``True``.
+        adamw_betas (tuple), adamw_eps (float): the backup's. Defaults ``(0.9, 0.95)``, ``1e-8``.
+
+    Keyword-only:
+        efficient (bool): the ``MARS_M_Efficient`` recursion (M18): no ``last_grad`` buffer,
+            no clip, approx mode only. Default ``False``.
+        ns_dtype: Newton-Schulz dtype. Default ``torch.bfloat16`` (the authors').
+        shape_layout: ``"out_in"`` or ``"in_out"`` (transformers' ``Conv1D``): the scale
+            0.2 sqrt(max(A, B)) is symmetric, so this only documents the layout; kept for
+            symmetry with ``MARS``.
+        maximize (bool), foreach (bool or None): as in ``torch.optim``.
+        compiled (bool): one ``torch.compile``d call per tensor (``mars_m_compiled.py``; the
+            same equation functions), fusing the correction with Newton-Schulz and the update.
+        fused (None or False), capturable (False), differentiable (False): accepted and stored
+            in every group, as other ``torch.optim`` optimizers take them; ``True`` raises a
+            ValueError naming the keyword, in the constructor and in any group dict.
+
+    ``torch.compile(opt.step)`` traces the step (``_init_group`` follows torch's protocol).
+    A step checks every group's gradients (sparse, complex) before it changes anything.
+
+    State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
+    ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
+    backup ``step``, ``moment1``, ``moment2`` -- the authors' names.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = MARSM(model.parameters(), lr=1e-3)   # 2-D weights: MARS-M; biases: AdamW
+        >>> model(torch.ones(3, 4)).square().mean().backward()
+        >>> opt.step()
+    """
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, ns_steps=5,
+                 gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
+                 adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
+                 shape_layout="out_in", maximize=False, foreach=None, compiled=False,
+                 fused=None, capturable=False, differentiable=False):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
+                        gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
+                        adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
+                        shape_layout=shape_layout, maximize=maximize, foreach=foreach,
+                        compiled=compiled, fused=fused, capturable=capturable,
+                        differentiable=differentiable)
+        check_torch_flags("MARSM", defaults)  # every group is checked again (add_param_group)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+            if any(g["is_approx"] != group["is_approx"] for g in self.param_groups):
+                raise ValueError("is_approx: every parameter group must use the same mode, "
+                                 "since exact mode re-evaluates the whole model at x_{t-1}")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # back-fill options added after a checkpoint was made
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        _tensor_steps(self.state)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        _tensor_steps(self.state)  # the authors' checkpoints keep a Python int
+
+    @property
+    def gamma(self):
+        """The first group's gamma (the authors' loop reads ``optimizer.gamma``)."""
+        return self.param_groups[0]["gamma"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step; returns the closure's loss.  Exact mode needs ``closure`` (evaluated at
+        x_{t-1} and at x_t on the same batch) unless the authors' loop feeds ``last_grad``."""
+        exact = not self.param_groups[0]["is_approx"]
+        if exact and closure is None and exact_mode.uses_authors_api(self):
+            loss = None
+            exact_mode.warn_if_scaled_previous_grad(self)
+        elif exact:
+            if closure is None:
+                raise RuntimeError(
+                    "MARSM exact mode (is_approx=False) needs grad f(x_{t-1}, xi_t): call "
+                    "opt.step(closure) with a closure that computes the loss on the current "
+                    "batch and calls backward(), or use the authors' update_previous_grad() / "
+                    "update_last_grad() loop; or construct MARSM(..., is_approx=True)")
+            loss = exact_mode.evaluate_at_previous_then_current(self, closure)
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+        self._check_gradients()  # every group's, before the first group changes
+        for group in self.param_groups:
+            params, grads, bufs, lasts, m1, m2, steps, kinds = [], [], [], [], [], [], [], []
+            self._init_group(group, params, grads, bufs, lasts, m1, m2, steps, kinds)
+            mars_m(params, grads, bufs, lasts, m1, m2, steps, kinds,
+                   write_last_grad=not exact, **{k: group[k] for k in _KEYWORDS})
+        return loss
+
+    def _check_gradients(self):
+        """Reject unsupported inputs before any state changes, so a bad step loses nothing."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("MARSM does not support sparse gradients")
+                if p.grad is not None and torch.is_complex(p):
+                    raise RuntimeError("MARSM does not support complex parameters")
+
+    def update_previous_grad(self, *, grad_scaler=None):
+        """The authors' exact loop: ``previous_grad`` <- ``.grad`` of the matrices (MARS-M
+        with ``last_grad``), computed on the *next* batch at the current point.
+        ``grad_scaler``: the ``torch.amp.GradScaler`` of a mixed-precision loop, whose scale
+        the stored gradient is divided by (a non-finite one is stored as 0); see
+        ``MARS.update_previous_grad`` for the loop and the reasons."""
+        exact_mode.update_previous_grad(self, lambda p, group: _kind(p, group) == M.MATRIX,
+                                        grad_scaler=grad_scaler)
+
+    def update_last_grad(self):
+        """The authors' exact loop, after ``step``: ``last_grad`` <- ``previous_grad``."""
+        exact_mode.update_last_grad(self)
+
+    @property
+    def _step_supports_amp_scaling(self):
+        """Read by ``GradScaler.step`` before it calls ``step()`` (see ``MARS``)."""
+        exact_mode.note_grad_scaler(self)
+        return False
+
+    def _init_group(self, group, params, grads, bufs, lasts, m1, m2, steps, kinds):
+        """Append the group's live tensors to the given lists, creating state lazily
+        (torch.optim's protocol, run eagerly at trace time under ``torch.compile``)."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            kind, st = _kind(p, group), self.state[p]
+            names = {M.MATRIX: ("momentum_buffer", "last_grad"), M.EFFICIENT: ("momentum_buffer",),
+                     M.BACKUP: ("moment1", "moment2")}[kind]
+            for name in names:
+                if name not in st:
+                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0)
+            params.append(p)
+            grads.append(p.grad)
+            bufs.append(st.get("momentum_buffer"))
+            lasts.append(st.get("last_grad"))
+            m1.append(st.get("moment1"))
+            m2.append(st.get("moment2"))
+            steps.append(st["step"])
+            kinds.append(kind)
+
+
+_KEYWORDS = ("lr", "weight_decay", "momentum", "gamma", "ns_steps", "ns_dtype", "clip_c",
+             "adamw_betas", "adamw_eps", "maximize", "foreach", "compiled")
+
+
+def _kind(p, group):
+    rule = group["rule"]
+    if rule == "auto":
+        rule = "mars_m" if p.ndim == 2 else "adamw"
+    if rule == "adamw":
+        return M.BACKUP
+    return M.EFFICIENT if group["efficient"] else M.MATRIX
+
+
+def _tensor_steps(state):
+    """A numeric ``step`` (older torch, the authors' backup) becomes a CPU float tensor."""
+    for st in state.values():
+        if "step" in st and not torch.is_tensor(st["step"]):
+            st["step"] = torch.tensor(float(st["step"]))
+
+
+def _validate_group(g):
+    lr = g["lr"]
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or lr.is_cuda:  # read on the host each step: CUDA would sync
+            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
+        lr = lr.item()
+    check_number("lr", lr, low=0.0)
+    check_number("weight_decay", g["weight_decay"], low=0.0)
+    check_number("momentum", g["momentum"], low=0.0, high=1.0, high_open=True)
+    if g["momentum"] == 0.0:  # a = gamma beta/(1 - beta) is fine, but M18 divides by beta
+        if g["efficient"]:
+            raise ValueError("momentum: the efficient recursion (M18) divides by momentum > 0")
+    check_number("gamma", g["gamma"], low=0.0, high=1.0)
+    check_number("adamw_eps", g["adamw_eps"], low=0.0)
+    check_betas("adamw_betas", g["adamw_betas"])
+    check_choice("rule", g["rule"], RULES)
+    check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
+    for flag in ("clip_c", "is_approx", "efficient", "maximize"):
+        if not isinstance(g[flag], bool):
+            raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")
+    if g["foreach"] not in (None, True, False):
+        raise ValueError(f"foreach: expected None, True or False, got {g['foreach']!r}")
+    if not isinstance(g["compiled"], bool):
+        raise ValueError(f"compiled: expected a bool, got {g['compiled']!r}")
+    check_torch_flags("MARSM", g)
+    if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
+        raise ValueError(f"ns_steps: expected an int >= 1, got {g['ns_steps']!r}")
+    if g["efficient"] and not g["is_approx"]:
+        raise ValueError("efficient: the efficient recursion (M18) keeps no g_{t-1}, so it has "
+                         "no exact mode; use is_approx=True or efficient=False")
+    if g["rule"] == "mars_m":
+        bad = [tuple(p.shape) for p in g["params"] if p.ndim != 2]
+        if bad:
+            raise ValueError(f"rule: 'mars_m' orthogonalizes matrices; got shapes {bad} "
+                             "(give them rule='adamw', or reshape them)")
+
+
+class MARS_M(MARSM):  # noqa: N801  (the authors' class name, for a one-line import change)
+    """``MARSM`` behind the authors' constructor: ``MARS_M(lr, wd, muon_params, momentum,
+    ns_steps, adamw_params, adamw_betas, adamw_eps, gamma, clip_c, is_approx)``.
+
+    ``muon_params`` form a ``rule="mars_m"`` group and ``adamw_params`` a ``rule="adamw"``
+    group.  ``clip_c`` is accepted and, by default, ignored as the authors' class ignores it
+    (C_t is always clipped); pass ``honor_clip_c=True`` to make ``clip_c=False`` switch the
+    clip off.  Further keyword-only options are ``MARSM``'s.
+    """
+
+    def __init__(self, lr=1e-3, wd=0.1, muon_params=None, momentum=0.95, ns_steps=5,
+                 adamw_params=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, gamma=0.025,
+                 clip_c=False, is_approx=True, *, honor_clip_c=False, efficient=False, **options):
+        if muon_params is None:
+            raise ValueError("muon_params: the authors' MARS_M needs the matrices to optimize")
+        groups = [dict(params=list(muon_params), rule="mars_m")]
+        adamw_params = list(adamw_params) if adamw_params is not None else []
+        if adamw_params:
+            groups.append(dict(params=adamw_params, rule="adamw"))
+        super().__init__(groups, lr=lr, weight_decay=wd, momentum=momentum, ns_steps=ns_steps,
+                         gamma=gamma, clip_c=bool(clip_c) if honor_clip_c else True,
+                         is_approx=is_approx, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                         efficient=efficient, **options)
+
+
+class MARS_M_Efficient(MARS_M):  # noqa: N801
+    """The authors' ``MARS_M_Efficient(lr, wd, muon_params, momentum, ns_steps, adamw_params,
+    adamw_betas, adamw_eps, gamma)``: ``MARS_M`` with ``efficient=True`` (M18)."""
+
+    def __init__(self, lr=1e-3, wd=0.1, muon_params=None, momentum=0.95, ns_steps=5,
+                 adamw_params=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, gamma=0.025,
+                 **options):
+        super().__init__(lr=lr, wd=wd, muon_params=muon_params, momentum=momentum,
+                         ns_steps=ns_steps, adamw_params=adamw_params, adamw_betas=adamw_betas,
+                         adamw_eps=adamw_eps, gamma=gamma, efficient=True, **options)

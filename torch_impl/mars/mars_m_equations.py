@@ -1,0 +1,83 @@
+"""MARS-M update math in PyTorch, one function per equation (mirrors ``reference/mars/mars_m.py``);
+the list driver ``mars_m`` that runs them is ``functional.mars_m``.
+
+The elementwise equations run under ``SINGLE`` (one tensor) or ``FOREACH`` (lists) ops, as in
+``mars_equations``; Newton-Schulz is a matrix function, called once per matrix.  The MARS
+equations themselves (M2 correction, M3 clip, M4 momentum) are ``mars_equations``'s.
+"""
+
+from . import mars_equations as F
+from ..common.matrix_functions import newton_schulz
+from ..common.tensor_ops import SINGLE
+
+MATRIX, EFFICIENT, BACKUP = "mars_m", "mars_m_efficient", "adamw"
+MARS_M_NS_EPS = 1e-7  # the authors' Newton-Schulz eps (not the AdamW eps)
+
+
+# ------------------------------------------------------------------ hyperparameters
+
+def resolve_hyperparameters(hp, kind):
+    """The one MARS-M resolver: group dict (or functional keywords) -> the route's ``Hyper``.
+    Matrices: beta1 = ``momentum``, a = gamma beta/(1 - beta); the backup: ``adamw_betas``,
+    ``adamw_eps``.  Both decay by the group's ``weight_decay`` (the authors' ``wd``)."""
+    lr = F._number(hp["lr"])
+    if kind == BACKUP:
+        b1, b2 = hp["adamw_betas"]
+        return F.Hyper(lr, hp["weight_decay"], 0.0, b1, b2, hp["adamw_eps"])
+    beta = hp["momentum"]
+    return F.Hyper(lr, hp["weight_decay"], F.correction_coefficient(hp["gamma"], beta), beta,
+                   0.0, MARS_M_NS_EPS)
+
+
+# ------------------------------------------------------------------ equations (2.6)
+
+def match_rms_scale(shape):
+    r"""(M17) 0.2 sqrt(max(A, B)): the update's RMS then matches AdamW's (Moonlight)."""
+    return 0.2 * max(shape[0], shape[1]) ** 0.5
+
+
+def mars_m_momentum_(m, g, last, h, clip, ops=SINGLE):
+    r"""(M15)  C_t = g + a (g - g_prev) in ``last``'s buffer, clipped to norm 1 if ``clip``,
+    then M <- beta M + (1 - beta) C~_t.  Returns M."""
+    c = F.corrected_gradient_(last, g, h.a, ops)
+    if clip:
+        F.clip_tensor_(c, ops.norm(c), ops)
+    return F.momentum_(m, c, h.beta1, ops)
+
+
+def mars_m_direction(m, ns_steps, ns_dtype):
+    r"""(M16)  O = NS5(M) as the authors compute it: cast to ``ns_dtype``, transpose if tall,
+    normalise by ||X||_F + 1e-7, five quintic steps; O stays in ``ns_dtype``."""
+    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)
+
+
+def mars_m_step_(p, o, h, scale, ops=SINGLE):
+    r"""(M17)  p <- p (1 - lr lambda) - lr scale O."""
+    ops.decay_(p, h.lr, h.wd)
+    ops.add_scaled_(p, o, -h.lr * scale)
+
+
+def efficient_buffer_(buf, g, gamma, beta, ops=SINGLE):
+    r"""(M18)  buf <- beta buf + ((1 - gamma)(1 - beta) / beta) g."""
+    ops.mul_(buf, beta)
+    return ops.add_scaled_(buf, g, (1.0 - gamma) * (1.0 - beta) / beta)
+
+
+def efficient_argument(buf, g, gamma, beta, ops=SINGLE):
+    r"""(M18)  gamma g + beta buf (a new tensor): the unclipped MARS-M momentum (MT12)."""
+    return ops.add_scaled_(buf * beta, g, gamma)
+
+
+def backup_adamw_step_(p, g, m, v, h, ops=SINGLE):
+    r"""The AdamW backup, eps *before* the bias correction (the authors' placement):
+    m <- lerp(m, g, 1-b1), v <- b2 v + (1-b2) g^2, p <- p (1 - lr wd) - lr sqrt(bc2)/bc1 m/(eps + sqrt(v))."""
+    F.momentum_(m, g, h.beta1, ops)
+    F.second_moment_(v, g, h.beta2, ops)
+    denom = ops.sqrt(v)
+    ops.add_(denom, h.eps)
+    ops.decay_(p, h.lr, h.wd)
+    if isinstance(h.bc1, list):  # FOREACH: one step size per tensor
+        step = [-h.lr * s / b for b, s in zip(h.bc1, h.sqrt_bc2)]
+    else:
+        step = -h.lr * h.sqrt_bc2 / h.bc1
+    ops.addcdiv_(p, m, denom, step)
