@@ -37,8 +37,10 @@ def methods(d, device, dtype=torch.float32):
     eye = torch.eye(d, dtype=dtype, device=device)
     F = _spd(d, device, dtype)
     return {
-        "mkor_paper": lambda: factor_update(J, v, variant="paper", gamma=0.95),
-        "mkor_released": lambda: factor_update(J, v, variant="released"),
+        "mkor_paper": lambda: factor_update(J, v, variant="paper", stat_decay=0.95, zeta=0.9,
+                                            threshold=2.0),
+        "mkor_released": lambda: factor_update(J, v, variant="released", stat_decay=0.95,
+                                               zeta=0.9, threshold=2.0),
         "kfac_inverse": lambda: torch.linalg.inv(F + 1e-3 * eye),
         "kfac_eigh": lambda: torch.linalg.eigh(F),
     }

@@ -5,11 +5,12 @@ MKOR stores only the inverses J = L^{-1} (left, from g_bar) and J = R^{-1} (righ
 from a_bar) and updates them in O(d^2) with rank-1 Sherman-Morrison steps (K7). Three
 versions of that step exist and they differ:
 
-* "paper" (K8): the exact inverse of the factor EMA L_t = gamma L_{t-1} + (1-gamma) v v^T.
+* "paper" (K8): the exact inverse of the factor EMA L_t = rho L_{t-1} + (1-rho) v v^T.
 * "released" (K10): what the authors' code runs, J' = 0.95 J + 0.05 I, then SM(J', v).
 * Algorithm 1 line 7 as printed (K9): not an inverse; kept only for tests.
 
-Every function here works elementwise through ``@``/``np.outer``, so it accepts float
+rho is the factor EMA decay, MKOR's ``stat_decay`` (the spec's gamma; named apart from
+MARS's gamma). Every function here works elementwise through ``@``/``np.outer``, so it accepts float
 arrays and also NumPy object arrays of sympy symbols (the symbolic proofs run the same
 code). No function here calls an O(d^3) routine except ``spectral_norm``.
 """
@@ -39,20 +40,20 @@ def sherman_morrison(J, v):
     return J - np.outer(Jv, vJ) / (1 + v @ Jv)
 
 
-def ema_inverse_update(J, v, gamma):
+def ema_inverse_update(J, v, stat_decay):
     r"""Variant "paper": exact inverse of the factor EMA (K8).
 
-    With J = L_{t-1}^{-1} (after stabilisation) and L_t = gamma L_{t-1} + (1-gamma) v v^T:
+    With J = L_{t-1}^{-1} (after stabilisation) and L_t = rho L_{t-1} + (1-rho) v v^T:
 
-        J_t = (1/gamma) (J - (1-gamma) J v v^T J / (gamma + (1-gamma) v^T J v))
+        J_t = (1/rho) (J - (1-rho) J v v^T J / (rho + (1-rho) v^T J v))
 
-    which equals SM(J/gamma, sqrt(1-gamma) v) = (gamma J^{-1} + (1-gamma) v v^T)^{-1}.
+    which equals SM(J/rho, sqrt(1-rho) v) = (rho J^{-1} + (1-rho) v v^T)^{-1}.
     The output is symmetrised, (J_t + J_t^T)/2.
     """
     Jv = J @ v
     vJ = v @ J
-    denominator = gamma + (1 - gamma) * (v @ Jv)
-    return symmetrise((J - (1 - gamma) * np.outer(Jv, vJ) / denominator) / gamma)
+    denominator = stat_decay + (1 - stat_decay) * (v @ Jv)
+    return symmetrise((J - (1 - stat_decay) * np.outer(Jv, vJ) / denominator) / stat_decay)
 
 
 def released_inverse_update(J, v):
@@ -67,18 +68,19 @@ def released_inverse_update(J, v):
     return symmetrise(sherman_morrison(blended, v))
 
 
-def printed_algorithm1_update(J, v, gamma):
+def printed_algorithm1_update(J, v, stat_decay):
     r"""Algorithm 1, line 7, exactly as printed (K9). NEVER USE THIS TO TRAIN.
 
-        J_t = gamma J + (1-gamma) / (gamma^2 (1 + gamma (1-gamma) v^T J v)) J v v^T J
+        J_t = rho J + (1-rho) / (rho^2 (1 + rho (1-rho) v^T J v)) J v v^T J
 
-    It is not the inverse of gamma J^{-1} + (1-gamma) v v^T (a + where a - belongs, and
-    misplaced gammas); the correct formula is ``ema_inverse_update``. Kept only so the
+    It is not the inverse of rho J^{-1} + (1-rho) v v^T (a + where a - belongs, and
+    misplaced rhos); the correct formula is ``ema_inverse_update``. Kept only so the
     tests can show the difference.
     """
     Jv = J @ v
-    coefficient = (1 - gamma) / (gamma**2 * (1 + gamma * (1 - gamma) * (v @ Jv)))
-    return gamma * J + coefficient * np.outer(Jv, v @ J)
+    rho = stat_decay
+    coefficient = (1 - rho) / (rho**2 * (1 + rho * (1 - rho) * (v @ Jv)))
+    return rho * J + coefficient * np.outer(Jv, v @ J)
 
 
 def max_entry_norm(J):
@@ -153,11 +155,11 @@ def _norm_fn(norm):
     return NORMS[norm]
 
 
-def rank1_inverse_update(J, v, *, variant="paper", gamma=0.95):
+def rank1_inverse_update(J, v, *, variant="paper", stat_decay=0.95):
     """Dispatch to the SM step of a variant: K8 ("paper") or K10 ("released")."""
     _check("variant", variant, tuple(VARIANT_OPTIONS))
     if variant == "paper":
-        return ema_inverse_update(J, v, gamma)
+        return ema_inverse_update(J, v, stat_decay)
     return released_inverse_update(J, v)
 
 
@@ -166,7 +168,7 @@ def reset_factor(J, *, reset="blend", zeta=0.9):
     return stabilise(J, zeta) if reset == "blend" else np.eye(J.shape[0])
 
 
-def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
+def factor_update(J, v, *, variant="paper", stat_decay=0.95, zeta=0.9, threshold=2.0,
                   norm="max_entry", options=None, first=False, reset_flag=False,
                   stabilizer_timing=None, stabilizer_reset=None, first_update=None):
     r"""One factor's whole update in paper order (K8/K10 with K11/K12).
@@ -189,7 +191,7 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
         J: the stored inverse (d x d), symmetric positive definite.
         v: this update's rank-1 vector (a_bar for R^{-1}, g_bar for L^{-1}).
         variant: "paper" or "released"; also picks the default ``options``.
-        gamma: stat_decay (only "paper" uses it).
+        stat_decay: rho (only "paper" uses it).
         zeta: weight on J in the blend reset.
         threshold: the stabiliser's threshold on ``norm`` (code: 2).
         norm: "max_entry" (default, O(d^2)), "spectral" (O(d^3)) or a callable.
@@ -217,11 +219,11 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
         fired = bool(reset_flag or _exceeds(norm_fn(J), threshold))
         if fired:
             J = reset_factor(J, reset=options.stabilizer_reset, zeta=zeta)
-        return rank1_inverse_update(J, v, variant=variant, gamma=gamma), fired
+        return rank1_inverse_update(J, v, variant=variant, stat_decay=stat_decay), fired
     if reset_flag:
         J_new = reset_factor(J, reset=options.stabilizer_reset, zeta=zeta)
     else:
-        J_new = rank1_inverse_update(J, v, variant=variant, gamma=gamma)
+        J_new = rank1_inverse_update(J, v, variant=variant, stat_decay=stat_decay)
     return J_new, _exceeds(norm_fn(J_new), threshold)
 
 

@@ -56,7 +56,7 @@ class MKORConfig:
     """
 
     inv_freq: int = 10
-    stat_decay: float = 0.95          # gamma; unused by "released"
+    stat_decay: float = 0.95          # rho (the spec's gamma); unused by "released"
     variant: str = "paper"
     zeta: float = 0.9                 # weight on J in the blend (code: 1 - 0.1)
     threshold: float = 2.0
@@ -158,7 +158,7 @@ class MKORReference:
             return None
         c = self.config
         return factor_update(J, np.asarray(v, dtype=np.float64), variant=c.variant,
-                             gamma=c.stat_decay, zeta=c.zeta, threshold=c.threshold,
+                             stat_decay=c.stat_decay, zeta=c.zeta, threshold=c.threshold,
                              norm=c.stabilizer_norm, options=c.factor_options,
                              first=first, reset_flag=reset_flag)
 

@@ -308,7 +308,7 @@ def test_what_cannot_be_converted_is_refused():
         from_kfac_pytorch(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1), torch.zeros(4, 5))
     with pytest.raises(ValueError, match="unknown backbone RMSprop"):
         from_kfac_pytorch(mlp, torch.optim.RMSprop(mlp.parameters()), torch.zeros(4, 5))
-    with pytest.raises(ValueError, match=r"factor_decay must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"factor_decay: expected a value in \[0.0, 1.0\]"):
         from_kfac_pytorch(mlp, _groups(mlp, _sgd), torch.zeros(4, 5), factor_decay=1.5)
 
 
@@ -317,13 +317,15 @@ def test_factor_init_option():
     update; the default "batch" takes the batch factor as is."""
     model = MLP().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="factor_init must be 'batch' or 'identity'"):
+    with pytest.raises(ValueError, match="factor_init: expected one of \\('batch', 'identity'\\)"):
         KFAC(model, opt, factor_init="eye")
-    with pytest.raises(ValueError, match="factor_init_scale only applies"):
+    with pytest.raises(ValueError, match="factor_init_scale: only applies"):
         KFAC(model, opt, factor_init_scale=(2.0, 1.0))
-    with pytest.raises(ValueError, match="factor_init_scale must be a pair"):
+    with pytest.raises(ValueError, match=r"factor_init_scale\[1\]: expected a value > 0.0"):
         KFAC(model, opt, factor_init="identity", factor_init_scale=(2.0, 0.0))
-    with pytest.raises(ValueError, match="factor_decay must be in"):
+    with pytest.raises(ValueError, match="factor_init_scale: expected a pair"):
+        KFAC(model, opt, factor_init="identity", factor_init_scale=(2.0,))
+    with pytest.raises(ValueError, match=r"factor_decay: expected a value in \[0.0, 1.0\)"):
         KFAC(model, opt, factor_decay=1.0)
     x = torch.randn(4, 5, dtype=f64)
     factors = {}

@@ -114,11 +114,13 @@ def test_mt3_functional_clip_bound_and_identity_below_one(foreach, shapes, log_s
     prev = random_grads(rng, shapes)
     bufs = [p.clone() for p in prev]
     ops = FOREACH if foreach else SINGLE
+    gamma, beta1 = a, 0.5  # a = gamma beta1 / (1 - beta1) = gamma, exactly (powers of two)
     if foreach:
-        F.corrected_gradient_(bufs, grads, a, ops)
+        F.corrected_gradient_(bufs, grads, gamma, beta1, ops)
         norms = ops.norm(bufs)
     else:
-        norms = [ops.norm(F.corrected_gradient_(b, g, a, ops)) for b, g in zip(bufs, grads)]
+        norms = [ops.norm(F.corrected_gradient_(b, g, gamma, beta1, ops))
+                 for b, g in zip(bufs, grads)]
     cs = [b.clone() for b in bufs]
     for c, g, gp in zip(cs, grads, prev):  # MT5 in place: c = (1 + a) g - a g_prev
         # two roundings of terms of size (1 + a)|g| and a|g_prev|

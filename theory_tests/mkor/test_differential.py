@@ -80,10 +80,10 @@ def test_factor_update_matches_the_oracle_for_every_option(variant, timing, rese
         J = _spd(rng, d) * (3.0 if trial % 3 == 0 else 0.5)   # some above the threshold
         v = rng.standard_normal(d)
         first, flag = bool(trial % 4 == 1), bool(trial % 5 == 2)
-        ref_J, ref_fired = R.factor_update(J, v, variant=variant, gamma=0.9, zeta=0.8,
+        ref_J, ref_fired = R.factor_update(J, v, variant=variant, stat_decay=0.9, zeta=0.8,
                                            threshold=2.0, options=options, first=first,
                                            reset_flag=flag)
-        out, fired = T.factor_update(_t(J), _t(v), variant=variant, gamma=0.9, zeta=0.8,
+        out, fired = T.factor_update(_t(J), _t(v), variant=variant, stat_decay=0.9, zeta=0.8,
                                      threshold=2.0, stabilizer_timing=timing,
                                      stabilizer_reset=reset, first_update=first_update,
                                      first=torch.tensor(first), reset_flag=torch.tensor(flag))

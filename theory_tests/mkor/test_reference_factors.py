@@ -148,7 +148,7 @@ def test_paper_first_trigger_at_update_14(d, log_norm):
         options = FactorOptions(stabilizer_timing=timing)
         J, pending, calls = np.eye(d), False, []
         for call in range(1, 16):
-            J, fired = factor_update(J, v, gamma=0.95, options=options, reset_flag=pending)
+            J, fired = factor_update(J, v, stat_decay=0.95, options=options, reset_flag=pending)
             pending = fired and timing == "deferred"
             calls.append(fired)
         assert calls.index(True) + 1 == first_fire
@@ -177,10 +177,10 @@ def test_blend_keeps_spd_and_bounds_entries(d, seed, zeta, log_scale):
 def test_before_sm_blends_then_updates():
     J = np.array([[3.0, 0.5], [0.5, 1.0]])  # max entry 3 > 2: fires
     v = np.array([0.3, -0.7])
-    out, fired = factor_update(J, v, gamma=0.9, zeta=0.8)
+    out, fired = factor_update(J, v, stat_decay=0.9, zeta=0.8)
     assert fired
     np.testing.assert_allclose(out, ema_inverse_update(stabilise(J, 0.8), v, 0.9), rtol=1e-15)
-    quiet, fired = factor_update(np.eye(2), v, gamma=0.9)
+    quiet, fired = factor_update(np.eye(2), v, stat_decay=0.9)
     assert not fired
     np.testing.assert_array_equal(quiet, ema_inverse_update(np.eye(2), v, 0.9))
 

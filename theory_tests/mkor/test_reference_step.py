@@ -223,7 +223,7 @@ def test_before_sm_coupling_blends_both_factors():
     ref.L_inv[0] = 3.0 * np.eye(4)
     R0 = ref.R_inv[0].copy()
     ref.step(layers)
-    expected_R, fired = factor_update(R0, layers[0]["a_bar"], gamma=0.9, zeta=0.8, reset_flag=True)
+    expected_R, fired = factor_update(R0, layers[0]["a_bar"], stat_decay=0.9, zeta=0.8, reset_flag=True)
     assert fired
     np.testing.assert_array_equal(ref.R_inv[0], expected_R)
 
@@ -240,8 +240,8 @@ def test_step_equals_composed_equations():
         layers = random_layers(rng, [((4, 3), True, False)])
         layer = layers[0]
         if t % 3 == 0:
-            R, _ = factor_update(R, layer["a_bar"], gamma=0.9)
-            L, _ = factor_update(L, layer["g_bar"], gamma=0.9)
+            R, _ = factor_update(R, layer["a_bar"], stat_decay=0.9)
+            L, _ = factor_update(L, layer["g_bar"], stat_decay=0.9)
         dW, db = precondition(L, R, layer["grad_W"], layer["grad_b"])
         expected = rescale(dW, db, layer["grad_W"], layer["grad_b"], "joint")
         got = ref.step(layers)[0]

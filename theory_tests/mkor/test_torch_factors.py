@@ -12,6 +12,9 @@ from hypothesis import given, strategies as st
 
 from torch_impl.mkor import factors as F
 
+# "released" ignores stat_decay (K10) and resets to I (zeta unused); the threshold is its 2
+RELEASED = dict(stat_decay=0.95, zeta=0.9, threshold=2.0)
+
 
 f64 = torch.float64
 
@@ -129,13 +132,14 @@ def test_factor_update_before_sm_blends_then_updates():
     """ALG lines 5-8: with max|J| > threshold, the result is the SM step of the blend."""
     J = 3.0 * torch.eye(4, dtype=f64)
     v = vec(4, 0, 1.0)
-    out, fired = F.factor_update(J, v, variant="paper", gamma=0.9, zeta=0.9, threshold=2.0)
+    out, fired = F.factor_update(J, v, variant="paper", stat_decay=0.9, zeta=0.9, threshold=2.0)
     assert fired
     # factor_update applies the same map as one affine update (A J + B I - a a^T), so the two
     # differ by float64 rounding of O(1) entries only: 1e-13 relative
     expected = F.ema_inverse_update(F.stabilise(J, 0.9), v, 0.9)
     torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-15)
-    out, fired = F.factor_update(torch.eye(4, dtype=f64), v, variant="paper", gamma=0.9)
+    out, fired = F.factor_update(torch.eye(4, dtype=f64), v, variant="paper", stat_decay=0.9,
+                                 zeta=0.9, threshold=2.0)
     assert not fired
     torch.testing.assert_close(out, F.ema_inverse_update(torch.eye(4, dtype=f64), v, 0.9),
                                rtol=1e-13, atol=1e-15)
@@ -147,11 +151,12 @@ def test_factor_update_deferred_and_first_identity():
     J = vec(9, 3, 1.0).reshape(3, 3)
     J = J @ J.T + torch.eye(3, dtype=f64)
     v = vec(3, 4, 1.0)
-    out, fired = F.factor_update(J, v, variant="released", first=True)
+    out, fired = F.factor_update(J, v, variant="released", first=True, **RELEASED)
     assert torch.equal(out, torch.eye(3, dtype=f64)) and not fired
-    out, fired = F.factor_update(J, v, variant="released", reset_flag=torch.tensor(True))
+    out, fired = F.factor_update(J, v, variant="released", reset_flag=torch.tensor(True),
+                                 **RELEASED)
     assert torch.equal(out, torch.eye(3, dtype=f64))
-    out, fired = F.factor_update(J, v, variant="released")  # rounding only, as above
+    out, fired = F.factor_update(J, v, variant="released", **RELEASED)  # rounding only, as above
     torch.testing.assert_close(out, F.released_inverse_update(J, v), rtol=1e-13, atol=1e-15)
     assert bool(fired) == bool(out.abs().max() > 2)
 
@@ -214,8 +219,8 @@ def test_factor_functions_make_no_host_sync(monkeypatch):
     for name in ("__bool__", "item", "__float__", "__int__", "tolist", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, boom)
     for variant in ("paper", "released"):
-        F.factor_update(J, v, variant=variant, first=torch.tensor(False),
-                        reset_flag=torch.tensor(True))
+        F.factor_update(J, v, variant=variant, stat_decay=0.95, zeta=0.9, threshold=2.0,
+                        first=torch.tensor(False), reset_flag=torch.tensor(True))
     dW, db = F.precondition(J, torch.eye(5, dtype=f64), gW, gb)
     F.rescale(dW, db, gW, gb, "joint")
     F.rescale(dW, db, gW, gb, "sum_of_norms")

@@ -35,7 +35,6 @@ MT20 = "theory_tests/mars/test_optimizer_contract.py::test_mt20_foreach_matches_
 _FOREACH_DECAY = ("        torch._foreach_div_(x, torch._foreach_clamp_min(divisors, 1.0))\n"
                   "        return x\n\n    @classmethod\n    def decay_(cls, p, lr, wd):\n"
                   "        if wd != 0.0:\n            cls.mul_(p, 1.0 - lr * wd)")
-_FIELDS = '_FIELDS = ("lr", "wd", "a", "beta1", "beta2", "eps", "bc1", "sqrt_bc2")'
 
 MARS_MUTANTS = {
     # ---------------------------------------------------------------- (M1)-(M4): the recursion
@@ -47,9 +46,9 @@ MARS_MUTANTS = {
                "        prev = grad(x, xi) if (not opt.config.is_approx and x_prev"),
         # x_{t-1} never advances: every correction is taken at x_1
         Mutant(T_EX, '            opt.state[p]["prev_param"] = x_t\n', "            pass\n"),
-        Mutant(T_F, "    return ops.lerp_(g_prev, g, 1.0 + a)", "    return ops.lerp_(g_prev, g, 1.0 - a)"),
-        Mutant(T_C, "    c = F.corrected_gradient_(last, g, h.a, COMPILED)",
-               "    c = F.corrected_gradient_(last, g, h.beta1, COMPILED)", tests=COMPILED_EXACT),
+        Mutant(T_F, '    return ops.lerp_(g_prev, g, 1.0 + correction_coefficient(gamma, beta1))', '    return ops.lerp_(g_prev, g, 1.0 - correction_coefficient(gamma, beta1))'),
+        Mutant(T_C, '    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, COMPILED)',
+               '    c = F.corrected_gradient_(last, g, h.beta1, h.gamma, COMPILED)', tests=COMPILED_EXACT),
     ],
     "M2": [
         Mutant(R_MARS_EQ, "    return gamma * beta1 / (1.0 - beta1)", "    return gamma * beta1 / (1.0 + beta1)"),
@@ -79,12 +78,16 @@ MARS_MUTANTS = {
         Mutant(T_F, "            ops.divide_by_clamped_(cs, [total] * len(cs))",
                "            ops.divide_by_clamped_(cs, norms)"),
         # the optimizer's first pass of the global clip forgets that maximize negates g
-        Mutant(T_FN, "F.corrected_gradient_(last.clone(), -g if maximize else g, a))",
-               "F.corrected_gradient_(last.clone(), g, a))"),
+        Mutant(T_FN, 'F.corrected_gradient_(last.clone(), -g if maximize else g, gamma, beta1))',
+               'F.corrected_gradient_(last.clone(), g, gamma, beta1))'),
     ],
     "M4": [
         Mutant(R_MARS_EQ, "    return beta1 * m + (1.0 - beta1) * c", "    return beta1 * m + c"),
         Mutant(T_F, "    return ops.lerp_(m, c, 1.0 - beta1)", "    return ops.lerp_(m, c, beta1)"),
+        # the compiled path's record, moved to the device, read in the wrong order (the
+        # record's transport is positional inside on_device only)
+        Mutant(T_F, "        return Hyper(*packed.unbind())", "        return Hyper(*packed.flip(0).unbind())",
+               tests=COMPILED_MARS),
         # Lion's step taken before the momentum update (sign of m_{t-1})
         Mutant(T_F, "    momentum_(m, c, h.beta1, ops)\n    lion_step_(p, m, h, ops)",
                "    lion_step_(p, m, h, ops)\n    momentum_(m, c, h.beta1, ops)"),
@@ -92,7 +95,7 @@ MARS_MUTANTS = {
         Mutant(T_FN, "            F.momentum_(ms, cs, h.beta1, FOREACH)",
                "            F.momentum_(ms, gs, h.beta1, FOREACH)"),
         # the compiled kernels read beta2 as beta1 (the packed hyperparameters out of order)
-        Mutant(T_C, _FIELDS, '_FIELDS = ("lr", "wd", "a", "beta2", "beta1", "eps", "bc1", "sqrt_bc2")',
+        Mutant(T_C, '    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)', '    F.adamw_rule_(p, c, m, v, vmax, h._replace(beta1=h.beta2, beta2=h.beta1), COMPILED)',
                tests=COMPILED_MARS),
     ],
     "M4-unclipped": [
@@ -122,19 +125,19 @@ MARS_MUTANTS = {
         Mutant(R_MARS_EQ, "    return m / ((np.sqrt(v) / np.sqrt(bc2) + eps) * bc1)",
                "    return m / ((np.sqrt(v) + eps) * bc1)"),
         Mutant(T_F, "    ops.div_(denom, h.sqrt_bc2)", "    ops.mul_(denom, h.sqrt_bc2)"),
-        Mutant(T_F, "    h.sqrt_bc2 = ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks)",
-               "    h.sqrt_bc2 = ops.each(lambda k: 1.0 - h.beta2**k, ks)"),
+        Mutant(T_F, '                      sqrt_bc2=ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks))',
+               '                      sqrt_bc2=ops.each(lambda k: 1.0 - h.beta2**k, ks))'),
         Mutant(T_OPS, "        torch._foreach_addcdiv_(x, a, b, s) if isinstance(s, list)",
                "        torch._foreach_addcmul_(x, a, b, s) if isinstance(s, list)"),
         Mutant(T_OPS, "        return x.add_(a / b * s)", "        return x.add_(b / a * s)", tests=COMPILED_MARS),
-        Mutant(T_C, _FIELDS, '_FIELDS = ("lr", "wd", "a", "beta1", "beta2", "eps", "sqrt_bc2", "bc1")',
+        Mutant(T_C, '            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)', '            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)\n            h = h._replace(bc1=h.sqrt_bc2, sqrt_bc2=h.bc1)',
                tests=COMPILED_MARS),
     ],
     "M8": [
         Mutant(R_MARS_EQ, "    return p - lr * (u + weight_decay * p)", "    return p - lr * u - weight_decay * p"),
         # the decay applied to the updated p
-        Mutant(T_F, "    ops.decay_(p, h.lr, h.wd)\n    ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))",
-               "    ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))\n    ops.decay_(p, h.lr, h.wd)"),
+        Mutant(T_F, '    ops.decay_(p, h.lr, h.weight_decay)\n    ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))',
+               '    ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))\n    ops.decay_(p, h.lr, h.weight_decay)'),
         Mutant(T_OPS, _FOREACH_DECAY, _FOREACH_DECAY.replace("1.0 - lr * wd", "1.0 - wd")),
         Mutant(T_OPS, "        p.mul_(1.0 - lr * wd)", "        p.mul_(1.0 - wd)", tests=COMPILED_MARS),
     ],
@@ -175,7 +178,7 @@ MARS_MUTANTS = {
         Mutant(T_F, "    scaled = m * (1.0 / (1.0 - beta1))", "    scaled = m"),
         Mutant(T_F, "    return max(1.0, shape[0] / shape[1]) ** 0.5 if shape[1] else 1.0",
                "    return max(1.0, shape[1] / shape[0]) ** 0.5 if shape[1] else 1.0"),
-        Mutant(T_F, "    SINGLE.decay_(p, h.lr, h.wd)", "    SINGLE.decay_(p, h.lr, 0.0)"),
+        Mutant(T_F, '    SINGLE.decay_(p, h.lr, h.weight_decay)', '    SINGLE.decay_(p, h.lr, 0.0)'),
         # the foreach Shampoo bucket orthogonalizes c~ instead of m
         Mutant(T_FN, "            for i, p, m in zip(idx, ps, ms):", "            for i, p, m in zip(idx, ps, cs):"),
     ],
@@ -192,14 +195,13 @@ MARS_MUTANTS = {
         Mutant(R_MARS, '        wd = cfg.weight_decay_1d if cfg.weight_decay_1d_source == "constructor" else',
                '        wd = cfg.weight_decay_1d if cfg.weight_decay_1d_source == "group" else'),
         Mutant(T_F, "    return len(shape) == 2 or optimize_1d", "    return len(shape) >= 2 or optimize_1d"),
-        Mutant(T_F, '        wd = hp["weight_decay_1d"] if hp["weight_decay_1d_source"] == "constructor" \\',
-               '        wd = hp["weight_decay_1d"] if hp["weight_decay_1d_source"] == "group" \\'),
+        Mutant(T_F, '        if weight_decay_1d_source == "constructor":',
+               '        if weight_decay_1d_source == "group":'),
         Mutant(T_FN, "            F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)",
                "            F.adamw_rule_(ps, gs, ms, vs, None, F.resolve_hyperparameters(hp, F.ADAMW), FOREACH)"),
         # the reported survivor: the compiled 1-D fallback ignores weight_decay_1d_source
-        Mutant(T_C, "            h = F.with_bias_corrections(F.resolve_hyperparameters(hp, kind), key[2], COMPILED)",
-               "            h = F.with_bias_corrections(F.resolve_hyperparameters(dict(hp, weight_decay_1d_source="
-               "\"constructor\"), kind), key[2], COMPILED)", tests=COMPILED_MARS),
+        Mutant(T_C, '            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)',
+               '            h = F.with_bias_corrections(hypers.get(F.ADAMW, hypers[kind]), key[2], COMPILED)', tests=COMPILED_MARS),
         # the compiled path's hyperparameter cache keyed without the route: the fallback gets
         # the matrices' lr, betas and weight decay (or the other way round)
         Mutant(T_C, "        key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync",
@@ -211,12 +213,12 @@ MARS_MUTANTS = {
         Mutant(R_MM, "                                                  cfg.momentum, cfg.clip_c)",
                "                                                  cfg.momentum, True)"),
         Mutant(T_MF, "        F.clip_tensor_(c, ops.norm(c), ops)", "        F.clip_tensor_(c, ops.norm(g), ops)"),
-        Mutant(T_MF, "    return F.Hyper(lr, hp[\"weight_decay\"], F.correction_coefficient(hp[\"gamma\"], beta), beta,",
-               "    return F.Hyper(lr, hp[\"weight_decay\"], F.correction_coefficient(hp[\"gamma\"], beta), 1 - beta,"),
+        Mutant(T_MF, '    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=momentum,',
+               '    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=1 - momentum,'),
         Mutant(T_FN, "        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)",
                "        args = mars_m_momentum_(bufs, gs, lasts, h, False, FOREACH)"),
-        Mutant(T_MC, "    h = M.F.Hyper(lr, wd, a, beta, 0.0, M.MARS_M_NS_EPS)",
-               "    h = M.F.Hyper(lr, wd, gamma, beta, 0.0, M.MARS_M_NS_EPS)", tests=COMPILED_MARS_M),
+        Mutant(T_MC, '        m = M.mars_m_momentum_(buf, g, last, h, clip, COMPILED)',
+               '        m = M.mars_m_momentum_(buf, g, last, h._replace(gamma=h.beta1), clip, COMPILED)', tests=COMPILED_MARS_M),
     ],
     "M16": [
         Mutant(R_MM_EQ, "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS)",
@@ -233,10 +235,10 @@ MARS_MUTANTS = {
         Mutant(R_MM_EQ, "    return p * (1.0 - lr * weight_decay) - lr * scale * o",
                "    return p * (1.0 - weight_decay) - lr * scale * o"),
         Mutant(R_MM_EQ, "    return 0.2 * max(shape[0], shape[1]) ** 0.5", "    return 0.2 * min(shape[0], shape[1]) ** 0.5"),
-        Mutant(T_MF, "    ops.add_scaled_(p, o, -h.lr * scale)", "    ops.add_scaled_(p, o, -h.lr)"),
+        Mutant(T_MF, '    ops.add_scaled_(p, o, -h.lr * h.scale)', '    ops.add_scaled_(p, o, -h.lr)'),
         Mutant(T_MF, "    return 0.2 * max(shape[0], shape[1]) ** 0.5", "    return 0.2 * shape[0] ** 0.5"),
-        Mutant(T_MC, "    hp = torch.tensor([h.lr, h.wd, h.a, h.beta1, gamma, scale], dtype=dtype)",
-               "    hp = torch.tensor([h.lr, h.wd, h.a, h.beta1, gamma, 1.0], dtype=dtype)",
+        Mutant(T_MC, '            cache[key] = h._replace(scale=s).on_device(p.device, dtype)',
+               '            cache[key] = h.on_device(p.device, dtype)',
                tests=COMPILED_MARS_M),
     ],
     "M18": [
@@ -246,13 +248,13 @@ MARS_MUTANTS = {
         Mutant(T_MF, "    return ops.add_scaled_(buf, g, (1.0 - gamma) * (1.0 - beta) / beta)",
                "    return ops.add_scaled_(buf, g, (1.0 - gamma) * (1.0 - beta))"),
         Mutant(T_MF, "    return ops.add_scaled_(buf * beta, g, gamma)", "    return ops.add_scaled_(buf, g, gamma)"),
-        Mutant(T_FN, "            efficient_buffer_(bufs, gs, gamma, h.beta1, FOREACH)",
-               "            efficient_buffer_(bufs, gs, h.beta1, gamma, FOREACH)"),
-        Mutant(T_MM, "                         adamw_eps=adamw_eps, gamma=gamma, efficient=True, **options)",
-               "                         adamw_eps=adamw_eps, gamma=gamma, efficient=False, **options)"),
+        Mutant(T_FN, '            efficient_buffer_(bufs, gs, h.gamma, h.beta1, FOREACH)',
+               '            efficient_buffer_(bufs, gs, h.beta1, h.gamma, FOREACH)'),
+        Mutant(T_MM, '    __init__ = functools.partialmethod(MARS_M.__init__, efficient=True)',
+               '    __init__ = functools.partialmethod(MARS_M.__init__, efficient=False)'),
         # the compiled efficient kernel orthogonalizes the buffer instead of gamma g + beta buf
-        Mutant(T_MC, "    M.mars_m_step_(p, M.mars_m_direction(m, ns_steps, ns_dtype), h, scale, COMPILED)",
-               "    M.mars_m_step_(p, M.mars_m_direction(buf, ns_steps, ns_dtype), h, scale, COMPILED)",
+        Mutant(T_MC, '    M.mars_m_step_(p, M.mars_m_direction(m, ns_steps, ns_dtype), h, COMPILED)',
+               '    M.mars_m_step_(p, M.mars_m_direction(buf, ns_steps, ns_dtype), h, COMPILED)',
                tests=COMPILED_MARS_M),
     ],
     # ---------------------------------------------------------------- (M19), (M20): reductions
@@ -303,5 +305,26 @@ MARS_MUTANTS = {
         Mutant(T_MM, "    check_torch_flags(\"MARSM\", g)", "    pass"),
         Mutant("torch_impl/baselines/lamb.py", "    check_torch_flags(\"LAMB\", group)", "    pass"),
         Mutant("torch_impl/baselines/lamb.py", "            _check_group({**self.defaults, **param_group})", "            pass"),
+    ],
+    "PORT-HYPERPARAMETERS": [
+        # the constructor's threshold dropped on the way to MKOROptions
+        Mutant("torch_impl/mkor/preconditioner.py", "            threshold=threshold, stabilizer_norm=stabilizer_norm,",
+               "            threshold=RELEASED_THRESHOLD, stabilizer_norm=stabilizer_norm,"),
+        # two options swapped in the hand-over
+        Mutant("torch_impl/mkor/preconditioner.py",
+               "            switch_window=switch_window, switch_check_every=switch_check_every,",
+               "            switch_window=switch_check_every, switch_check_every=switch_window,"),
+        # the factor update handed the wrong option
+        Mutant("torch_impl/mkor/layer_state.py", "            threshold=o.threshold, norm=o.stabilizer_norm,",
+               "            threshold=2.0, norm=o.stabilizer_norm,"),
+        # a check in another style (or none)
+        Mutant("torch_impl/mkor/config.py", '        check_number("threshold", self.threshold, 0.0, low_open=True, finite=True)',
+               '        check_number("threshold", self.threshold, 0.0, low_open=True)'),
+        Mutant("torch_impl/common/validation.py", '        raise ValueError(f"{name}: expected a value {interval}, got {value!r}")',
+               '        raise ValueError(f"{name} must be {interval}, got {value!r}")'),
+        # the record filled under the wrong names (the records are built by keyword)
+        Mutant(T_F, '    return Hyper(lr=_number(lr), weight_decay=weight_decay, gamma=gamma, beta1=beta1,',
+               '    return Hyper(lr=_number(lr), weight_decay=weight_decay, gamma=beta1, beta1=gamma,',
+               tests=(DIFF,)),
     ],
 }

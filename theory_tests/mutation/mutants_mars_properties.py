@@ -16,7 +16,7 @@ MARS_PROPERTY_MUTANTS = {
         # eps inside the bias correction (MARS-M's backup placement) on MARS-AdamW
         Mutant(T_F, "    ops.div_(denom, h.sqrt_bc2)\n    ops.add_(denom, h.eps)",
                "    ops.add_(denom, h.eps)\n    ops.div_(denom, h.sqrt_bc2)"),
-        Mutant(T_F, "    h.bc1 = ops.each(lambda k: 1.0 - h.beta1**k, ks)", "    h.bc1 = ops.each(lambda k: 1.0 - h.beta1**(k + 1), ks)"),
+        Mutant(T_F, '    return h._replace(bc1=ops.each(lambda k: 1.0 - h.beta1**k, ks),', '    return h._replace(bc1=ops.each(lambda k: 1.0 - h.beta1**(k + 1), ks),'),
     ],
     "MT2": [
         Mutant(R_MARS, "        cfg, (b1, b2) = self.config, self.config.betas_1d",
@@ -24,12 +24,12 @@ MARS_PROPERTY_MUTANTS = {
         # the optimizer routes as if optimize_1d were always on
         Mutant(T_MARS, '            kind = F.route(p.shape, group["mars_type"], group["optimize_1d"])',
                '            kind = F.route(p.shape, group["mars_type"], True)'),
-        Mutant(T_F, '        b1, b2 = hp["betas_1d"]', '        b1, b2 = hp["betas"]'),
-        Mutant(T_F, '        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, hp["eps"])',
-               '        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, 1e-8)'),
-        Mutant(T_F, '        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, hp["eps"])',
-               '        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.5, b1, b2, hp["eps"])',
-               equivalent="a is the correction's weight; the fallback takes the raw g and never reads it"),
+        Mutant(T_F, '        beta1, beta2 = betas_1d', '        beta1, beta2 = betas'),
+        Mutant(T_F, '                     beta1=beta1, beta2=beta2, eps=eps)',
+               '                     beta1=beta1, beta2=beta2, eps=1e-8)'),
+        Mutant(T_F, '        return Hyper(lr=_number(lr) * lr_1d_factor, weight_decay=weight_decay, gamma=0.0,',
+               '        return Hyper(lr=_number(lr) * lr_1d_factor, weight_decay=weight_decay, gamma=0.5,',
+               equivalent="gamma is the correction's; the fallback takes the raw g and never reads it"),
     ],
     "MT3": [
         Mutant(R_MARS_EQ, "    return c / norm if norm > 1.0 else c", "    return c / norm"),
@@ -42,12 +42,12 @@ MARS_PROPERTY_MUTANTS = {
     "MT4": [
         Mutant(R_MARS_EQ, "    return g + correction_coefficient(gamma, beta1) * (g - g_prev)",
                "    return correction_coefficient(gamma, beta1) * g - correction_coefficient(gamma, beta1) * g_prev"),
-        Mutant(T_F, "    return ops.lerp_(g_prev, g, 1.0 + a)", "    return ops.lerp_(g_prev, g, a)"),
+        Mutant(T_F, '    return ops.lerp_(g_prev, g, 1.0 + correction_coefficient(gamma, beta1))', '    return ops.lerp_(g_prev, g, correction_coefficient(gamma, beta1))'),
     ],
     "MT5": [
         Mutant(R_MARS_EQ, "    return g + correction_coefficient(gamma, beta1) * (g - g_prev)",
                "    return g + correction_coefficient(gamma, beta1) * g - g_prev"),
-        Mutant(T_F, "    return ops.lerp_(g_prev, g, 1.0 + a)", "    return ops.lerp_(g, g_prev, 1.0 + a)"),
+        Mutant(T_F, '    return ops.lerp_(g_prev, g, 1.0 + correction_coefficient(gamma, beta1))', '    return ops.lerp_(g, g_prev, 1.0 + correction_coefficient(gamma, beta1))'),
     ],
     "MT6": [
         # spec B1: last_grad keeps c~ (or c) instead of the raw g
@@ -65,8 +65,8 @@ MARS_PROPERTY_MUTANTS = {
         Mutant(R_VR, "            g_prev = np.where(exact, problem.gradient(x_prev, xi), g_last)",
                "            g_prev = np.where(exact, problem.gradient(x, xi), g_last)"),
         # approx mode stops writing g_t into last_grad (the flag inverted): it keeps c~_t
-        Mutant(T_MARS, "                            w.last_grads, w.steps, w.kinds, write_last_grad=not exact,",
-               "                            w.last_grads, w.steps, w.kinds, write_last_grad=exact,"),
+        Mutant(T_MARS, '                compiled=group["compiled"], write_last_grad=not exact, global_clip_norm=total,',
+               '                compiled=group["compiled"], write_last_grad=exact, global_clip_norm=total,'),
         # exact mode's compiled kernels write g_t into last_grad: invisible to the iterates (the
         # closure refills it with grad f(x_{t-1}, xi_t) before it is read), not to the state,
         # which must hold c~_t as on the eager path
@@ -143,8 +143,8 @@ MARS_PROPERTY_MUTANTS = {
     "MT17": [
         Mutant(R_MARS, "        return adamw_step(p, m, v, self.k, self.lr * self.lr_1d_factor, b1, b2, cfg.eps, wd)",
                "        return adamw_step(p, m, v, self.k, self.config.lr_1d, b1, b2, cfg.eps, wd)"),
-        Mutant(T_F, '        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, hp["eps"])',
-               '        return Hyper(hp["lr_1d_factor"] * 3e-3, wd, 0.0, b1, b2, hp["eps"])'),
+        Mutant(T_F, '        return Hyper(lr=_number(lr) * lr_1d_factor, weight_decay=weight_decay, gamma=0.0,',
+               '        return Hyper(lr=lr_1d_factor * 3e-3, weight_decay=weight_decay, gamma=0.0,'),
         Mutant(T_MARS, '            param_group["lr_1d_factor"] = lr_1d / lr if lr > 0 else 0.0',
                '            param_group["lr_1d_factor"] = lr_1d / self.defaults["lr"] if lr > 0 else 0.0',
                tests=("theory_tests/mars/test_options.py::test_group_lr_1d_and_weight_decay_1d_stay_per_group",)),
@@ -166,8 +166,8 @@ MARS_PROPERTY_MUTANTS = {
     "MT20": [
         Mutant(T_FN, "        elif scope == \"global\":\n            SINGLE.divide_by_clamped_(c, total)",
                "        elif scope == \"global\":\n            SINGLE.divide_by_clamped_(c, SINGLE.norm(c))"),
-        Mutant(T_FN, "                                    [steps[i].item() for i in idx], FOREACH)",
-               "                                    [steps[idx[0]].item() for i in idx], FOREACH)"),
+        Mutant(T_FN, '        h = F.with_bias_corrections(hypers[kind], [steps[i].item() for i in idx], FOREACH)',
+               '        h = F.with_bias_corrections(hypers[kind], [steps[idx[0]].item() for i in idx], FOREACH)'),
         Mutant(T_OPS, "        for a, b in zip(x, y):  # DTensor", "        for a, b in zip(x, y[::-1]):  # DTensor"),
     ],
     # ---------------------------------------------------------------- variance reduction

@@ -54,6 +54,7 @@ from ..mkor.discovery import (discover, unwrap_model, warn_identity_sides,
 from ..mkor.distributed import Packet, world_size
 from ..mkor.layers import LayerType
 from ..mkor.wrapper import PreconditionedOptimizer
+from ..common.validation import check_choice, check_int, check_number
 
 __all__ = ["KFAC"]
 
@@ -163,33 +164,29 @@ class KFAC(PreconditionedOptimizer):
                  grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
                  factor_init_scale=(1.0, 1.0)):
         self._bind(model, optimizer, grad_scaler)
-        for name, value in (("inv_freq", inv_freq), ("factor_freq", factor_freq)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not damping > 0:
-            raise ValueError(f"damping must be > 0, got {damping!r}")
-        if factor_init not in ("batch", "identity"):
-            raise ValueError(f"factor_init must be 'batch' or 'identity', got {factor_init!r}")
+        check_int("inv_freq", inv_freq, low=1)
+        check_int("factor_freq", factor_freq, low=1)
+        check_number("damping", damping, 0.0, low_open=True, finite=True)
+        check_choice("factor_init", factor_init, ("batch", "identity"))
         scales = tuple(factor_init_scale) if isinstance(factor_init_scale, (tuple, list)) else ()
-        if len(scales) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                       and 0 < v < float("inf") for v in scales):
-            raise ValueError("factor_init_scale must be a pair (s_A, s_G) of finite numbers > 0, "
-                             f"got {factor_init_scale!r}")
+        if len(scales) != 2:
+            raise ValueError("factor_init_scale: expected a pair (s_A, s_G) of finite numbers "
+                             f"> 0, got {factor_init_scale!r}")
+        for i, s in enumerate(scales):
+            check_number(f"factor_init_scale[{i}]", s, 0.0, low_open=True, finite=True)
         if factor_init == "batch" and scales != (1.0, 1.0):
-            raise ValueError("factor_init_scale only applies to factor_init='identity', got "
+            raise ValueError("factor_init_scale: only applies to factor_init='identity', got "
                              f"{factor_init_scale!r} with factor_init='batch'")
-        if not (0 <= factor_decay < 1 or (factor_decay == 1 and factor_init == "identity")):
-            raise ValueError(f"factor_decay must be in [0, 1) (or 1 with factor_init="
-                             f"'identity'), got {factor_decay!r}")
-        if kl_clip is not None and not kl_clip > 0:
-            raise ValueError(f"kl_clip must be None or > 0, got {kl_clip!r}")
-        if method not in ("eigen", "inverse"):
-            raise ValueError(f"method must be 'eigen' or 'inverse', got {method!r}")
-        if max_factor_dim is not None and (isinstance(max_factor_dim, bool) or not isinstance(
-                max_factor_dim, int) or max_factor_dim < 1):
-            raise ValueError(f"max_factor_dim must be None or an int >= 1, got {max_factor_dim!r}")
-        if not (isinstance(grad_scale, torch.Tensor) or grad_scale > 0):
-            raise ValueError(f"grad_scale must be > 0, got {grad_scale!r}")
+        # 1 (no new statistics at all) only makes sense from a factor that is not a batch's
+        check_number("factor_decay", factor_decay, 0.0, 1.0,
+                     high_open=factor_init != "identity")
+        if kl_clip is not None:
+            check_number("kl_clip", kl_clip, 0.0, low_open=True)
+        check_choice("method", method, ("eigen", "inverse"))
+        if max_factor_dim is not None:
+            check_int("max_factor_dim", max_factor_dim, low=1)
+        if not isinstance(grad_scale, torch.Tensor):
+            check_number("grad_scale", grad_scale, 0.0, low_open=True, finite=True)
         self.process_group = process_group
         self.inv_freq, self.factor_freq = inv_freq, factor_freq
         self.damping, self.factor_decay, self.kl_clip, self.method = (

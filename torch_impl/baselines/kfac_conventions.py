@@ -65,6 +65,7 @@ import torch
 import torch.nn as nn
 
 from ..mkor.discovery import DEFAULT_MAX_FACTOR_DIM, discover, unwrap_model
+from ..common.validation import check_choice, check_number
 
 __all__ = ["KFACPytorchConversion", "from_kfac_pytorch", "kfac_pytorch_scales"]
 
@@ -263,17 +264,13 @@ def from_kfac_pytorch(model, optimizer, example_input, *, damping=1e-3, factor_d
         if callable(value):
             raise ValueError(f"{name}: schedules are not converted; convert each value (the "
                              "constants do not change during training)")
-    if not damping > 0:
-        raise ValueError(f"damping must be > 0, got {damping!r}")
-    if not 0 <= factor_decay <= 1:
-        raise ValueError(f"factor_decay must be in [0, 1] (kfac-pytorch's (0, 1], and 0), got "
-                         f"{factor_decay!r}")
-    if kl_clip is not None and not kl_clip > 0:
-        raise ValueError(f"kl_clip must be None or > 0, got {kl_clip!r}")
+    check_number("damping", damping, 0.0, low_open=True, finite=True)
+    check_number("factor_decay", factor_decay, 0.0, 1.0)  # kfac-pytorch's (0, 1], and 0
+    if kl_clip is not None:
+        check_number("kl_clip", kl_clip, 0.0, low_open=True)
     method = compute_method.lower() if isinstance(compute_method, str) else str(
         getattr(compute_method, "name", compute_method)).lower()
-    if method not in ("eigen", "inverse"):
-        raise ValueError(f"compute_method must be 'eigen' or 'inverse', got {compute_method!r}")
+    check_choice("compute_method", method, ("eigen", "inverse"))
     kind = _backbone(optimizer, backbone)
     scales = kfac_pytorch_scales(model, example_input, optimizer=optimizer,
                                  skip_modules=skip_modules, max_factor_dim=max_factor_dim)

@@ -1,14 +1,37 @@
-"""Hyperparameter validation shared by the optimizers: each failure is a ``ValueError`` that
-names the argument (torch.optim's convention)."""
+"""Hyperparameter validation shared by every optimizer (MARS, MARS-M, MKOR, K-FAC, LAMB): each
+failure is a ``ValueError`` that names the argument (torch.optim's convention), worded
+``"<name>: expected <what>, got <value>"``."""
+import math
 
 
-def check_number(name, value, low=None, high=None, high_open=False):
+def check_number(name, value, low=None, high=None, high_open=False, *, low_open=False,
+                 finite=False):
+    """A real number (not a bool) in [low, high] (either end open on request); ``finite``
+    also refuses +-inf.  NaN is always refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {value!r}")
-    if value != value or (low is not None and value < low) or \
-            (high is not None and (value >= high if high_open else value > high)):
-        interval = f"[{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: expected a value in {interval}, got {value!r}")
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if value != value or below or above:
+        if high is not None:
+            interval = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        else:
+            interval = f"{'>' if low_open else '>='} {low}"
+        raise ValueError(f"{name}: expected a value {interval}, got {value!r}")
+
+
+def check_int(name, value, low=None):
+    """An int (not a bool), >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise ValueError(f"{name}: expected an int{'' if low is None else f' >= {low}'}, "
+                         f"got {value!r}")
+
+
+def check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
 
 
 def check_betas(name, betas):

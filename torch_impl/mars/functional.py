@@ -28,8 +28,8 @@ def default_foreach(params):
 def corrected_norms(grads, last_grads, kinds, gamma, beta1, *, maximize=False):
     """||c_t||_F of every MARS-path tensor without changing anything: the first pass of the
     global clip, whose one norm spans every group with ``clip_scope="global"``."""
-    a = F.correction_coefficient(gamma, beta1)
-    return [torch.linalg.vector_norm(F.corrected_gradient_(last.clone(), -g if maximize else g, a))
+    return [torch.linalg.vector_norm(
+                F.corrected_gradient_(last.clone(), -g if maximize else g, gamma, beta1))
             for g, last, kind in zip(grads, last_grads, kinds) if kind != F.FALLBACK]
 
 
@@ -48,11 +48,13 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     ``global_clip_norm``: the joint norm when it spans more than these tensors (else computed
     here).  ``shampoo_scales[i]`` overrides s for a Shampoo matrix (``None``: from its shape).
     """
-    hp = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
-              lr_1d_factor=lr_1d_factor, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
-              weight_decay_1d_source=weight_decay_1d_source)
     if not params:
         return
+    hypers = {kind: F.resolve_hyperparameters(
+                  kind, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
+                  lr_1d_factor=lr_1d_factor, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
+                  weight_decay_1d_source=weight_decay_1d_source)
+              for kind in set(kinds)}
     if torch.compiler.is_compiling():  # torch.compile(opt.step): Inductor fuses the traced
         compiled, foreach = False, False  # loop itself; counters stay tensors (_step_count)
     torch._foreach_add_(state_steps, 1.0)  # one CPU kernel for every counter
@@ -69,7 +71,7 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
         eager = [i for i, k in enumerate(kinds) if k == F.SHAMPOO]  # matmul-bound: stays eager
         fused = [i for i, k in enumerate(kinds) if k != F.SHAMPOO]
         mars_compiled.update([_take(b, fused) for b in buffers], [state_steps[i] for i in fused],
-                             [kinds[i] for i in fused], hp, clip_scope, global_clip_norm,
+                             [kinds[i] for i in fused], hypers, clip_scope, global_clip_norm,
                              write_last_grad, grouped=compiled == "group")
         buffers, kinds = [_take(b, eager) for b in buffers], [kinds[i] for i in eager]
         state_steps, shampoo_scales = _take(state_steps, eager), _take(shampoo_scales, eager)
@@ -77,7 +79,7 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     if foreach is None:
         foreach = default_foreach(params)
     run = _multi_tensor_mars if foreach else _single_tensor_mars
-    run(buffers, state_steps, kinds, hp, clip_scope, global_clip_norm, write_last_grad,
+    run(buffers, state_steps, kinds, hypers, clip_scope, global_clip_norm, write_last_grad,
         shampoo, shampoo_scales)
 
 
@@ -85,15 +87,15 @@ def _take(xs, idx):
     return [xs[i] for i in idx]
 
 
-def _single_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, shampoo, scales):
+def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo,
+                        scales):
     """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
-    hypers = {kind: F.resolve_hyperparameters(hp, kind) for kind in set(kinds)}
     for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
         h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
         if kind == F.FALLBACK:  # (M14) on the raw gradient
             F.adamw_rule_(p, g, m, v, None, h, SINGLE)
             continue
-        c = F.corrected_gradient_(last, g, h.a, SINGLE)
+        c = F.corrected_gradient_(last, g, h.gamma, h.beta1, SINGLE)
         if scope == "tensor":
             F.clip_tensor_(c, SINGLE.norm(c), SINGLE)
         elif scope == "global":
@@ -109,7 +111,7 @@ def _single_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, sha
             last.copy_(g)
 
 
-def _multi_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, shampoo, scales):
+def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo, scales):
     """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
     dtype) bucket."""
     buckets = {}
@@ -117,12 +119,11 @@ def _multi_tensor_mars(buffers, steps, kinds, hp, scope, total, write_last, sham
         buckets.setdefault((kind, p.device, p.dtype), []).append(i)
     for (kind, _, _), idx in buckets.items():
         ps, gs, ms, vs, vmaxs, lasts = (_take(b, idx) for b in buffers)
-        h = F.with_bias_corrections(F.resolve_hyperparameters(hp, kind),
-                                    [steps[i].item() for i in idx], FOREACH)
+        h = F.with_bias_corrections(hypers[kind], [steps[i].item() for i in idx], FOREACH)
         if kind == F.FALLBACK:
             F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)
             continue
-        cs = F.corrected_gradient_(lasts, gs, h.a, FOREACH)
+        cs = F.corrected_gradient_(lasts, gs, h.gamma, h.beta1, FOREACH)
         if scope == "tensor":
             F.clip_tensor_(cs, FOREACH.norm(cs), FOREACH)
         elif scope == "global":
@@ -152,8 +153,10 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
     """
     if not params:
         return
-    hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, gamma=gamma,
-              adamw_betas=adamw_betas, adamw_eps=adamw_eps)
+    hypers = {kind: resolve_hyperparameters(kind, lr=lr, weight_decay=weight_decay,
+                                            momentum=momentum, gamma=gamma,
+                                            adamw_betas=adamw_betas, adamw_eps=adamw_eps)
+              for kind in set(kinds)}
     torch._foreach_add_(state_steps, 1.0)
     if maximize:
         grads = torch._foreach_neg(grads)
@@ -166,28 +169,28 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
     columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
                        state_steps, kinds, shape_scales))
     if compiled:
-        mars_m_compiled.update(columns, hp, clip_c, ns_steps, ns_dtype, write_last_grad)
+        mars_m_compiled.update(columns, hypers, clip_c, ns_steps, ns_dtype, write_last_grad)
         return
     for kind in (MATRIX, EFFICIENT, BACKUP):
         rows = [r for r in columns if r[7] == kind]
         if not rows:
             continue
-        h = resolve_hyperparameters(hp, kind)
         if kind == BACKUP:
-            _mars_m_backup(rows, h, foreach)
+            _mars_m_backup(rows, hypers[kind], foreach)
         else:
-            _mars_m_matrices(rows, h, kind, gamma, clip_c, ns_steps, ns_dtype, foreach, write_last_grad)
+            _mars_m_matrices(rows, hypers[kind], kind, clip_c, ns_steps, ns_dtype, foreach,
+                             write_last_grad)
 
 
-def _mars_m_matrices(rows, h, kind, gamma, clip, ns_steps, ns_dtype, foreach, write_last):
+def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_last):
     ps, gs, bufs, lasts = ([r[i] for r in rows] for i in range(4))
     if kind == EFFICIENT:
         if foreach:
-            efficient_buffer_(bufs, gs, gamma, h.beta1, FOREACH)
+            efficient_buffer_(bufs, gs, h.gamma, h.beta1, FOREACH)
         else:
             for b, g in zip(bufs, gs):
-                efficient_buffer_(b, g, gamma, h.beta1, SINGLE)
-        args = [efficient_argument(b, g, gamma, h.beta1) for b, g in zip(bufs, gs)]
+                efficient_buffer_(b, g, h.gamma, h.beta1, SINGLE)
+        args = [efficient_argument(b, g, h.gamma, h.beta1) for b, g in zip(bufs, gs)]
     elif foreach:
         args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)
     else:
@@ -195,7 +198,7 @@ def _mars_m_matrices(rows, h, kind, gamma, clip, ns_steps, ns_dtype, foreach, wr
     for p, m, r in zip(ps, args, rows):  # Newton-Schulz: one matrix function per matrix
         scale = match_rms_scale(p.shape) if r[8] is None else r[8]
         if p.numel():
-            mars_m_step_(p, mars_m_direction(m, ns_steps, ns_dtype), h, scale)
+            mars_m_step_(p, mars_m_direction(m, ns_steps, ns_dtype), h._replace(scale=scale))
     if write_last and kind == MATRIX:  # the raw g_t, copied (never an alias of p.grad)
         if foreach:
             FOREACH.copy_(lasts, gs)
@@ -207,8 +210,8 @@ def _mars_m_matrices(rows, h, kind, gamma, clip, ns_steps, ns_dtype, foreach, wr
 def _mars_m_backup(rows, h, foreach):
     if foreach:
         ks = [r[6].item() for r in rows]  # CPU counters: no sync
-        F.with_bias_corrections(h, ks, FOREACH)
-        backup_adamw_step_(*([r[i] for r in rows] for i in (0, 1, 4, 5)), h, FOREACH)
+        backup_adamw_step_(*([r[i] for r in rows] for i in (0, 1, 4, 5)),
+                           F.with_bias_corrections(h, ks, FOREACH), FOREACH)
         return
     for p, g, _, _, m, v, k, _, _ in rows:
         backup_adamw_step_(p, g, m, v, F.with_bias_corrections(h, F._step_count(k), SINGLE),

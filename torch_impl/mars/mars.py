@@ -241,10 +241,18 @@ class MARS(Optimizer):
                                    w.grads, w.last_grads, w.kinds, group["gamma"],
                                    group["betas"][0], maximize=group["maximize"])])
         for group, w in zip(self.param_groups, work):
-            functional.mars(w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.max_exp_avg_sqs,
-                            w.last_grads, w.steps, w.kinds, write_last_grad=not exact,
-                            global_clip_norm=total, shampoo_scales=w.scales,
-                            **_functional_keywords(group))
+            functional.mars(
+                w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.max_exp_avg_sqs, w.last_grads,
+                w.steps, w.kinds, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                gamma=group["gamma"], lr_1d_factor=group["lr_1d_factor"],
+                betas_1d=group["betas_1d"], weight_decay_1d=group["weight_decay_1d"],
+                weight_decay_1d_source=group["weight_decay_1d_source"],
+                clip_scope=group["clip_scope"], orthogonalizer=group["orthogonalizer"],
+                ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"],
+                maximize=group["maximize"], foreach=group["foreach"],
+                compiled=group["compiled"], write_last_grad=not exact, global_clip_norm=total,
+                shampoo_scales=w.scales)
             for stored, working in w.write_back:  # computed in a wider dtype than stored
                 stored.copy_(working)
         return loss
@@ -368,14 +376,6 @@ def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, la
     grads = working_copies(grads, dtypes, None)
     return _GroupWork(columns[0], grads, columns[1], columns[2], columns[3], columns[4], steps,
                       kinds, scales, write_back)
-
-
-def _functional_keywords(group):
-    """The group's hyperparameters as ``functional.mars`` keywords (read at every step)."""
-    keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "gamma", "lr_1d_factor", "betas_1d",
-            "weight_decay_1d", "weight_decay_1d_source", "clip_scope", "orthogonalizer",
-            "ns_steps", "ns_dtype", "maximize", "foreach", "compiled")
-    return {k: group[k] for k in keys}
 
 
 def _true_shape_scale(p, group):

@@ -4,8 +4,9 @@ per-tensor clip norm) instead of ~12 eager kernels.
 
 The kernels are not a copy of the math: they call the equation functions of
 ``mars_equations`` with the ``COMPILED`` ops table.  Everything that changes between steps --
-lr, the bias corrections, the global clip divisor -- enters as a tensor ``hp`` (built by the
-one resolver, ``resolve_hyperparameters``), so neither a schedule nor the step count
+lr, the bias corrections, the global clip divisor -- enters as data: the route's ``Hyper``
+record (from the one resolver, ``resolve_hyperparameters``) as 0-d tensors
+(``Hyper.on_device``), read by name in the kernels, so neither a schedule nor the step count
 recompiles, and shapes are dynamic so one compilation serves every tensor of a rank.
 MARS-Shampoo's matrices keep the eager path: Newton-Schulz is matmul-bound.
 """
@@ -14,42 +15,32 @@ import torch
 from . import mars_equations as F
 from ..common.tensor_ops import COMPILED
 
-_FIELDS = ("lr", "wd", "a", "beta1", "beta2", "eps", "bc1", "sqrt_bc2")
-DIVISOR = len(_FIELDS)  # hp[DIVISOR]: the global clip's clamped norm (1 without it)
-
-
-def _unpack(hp):
-    return F.Hyper(*(hp[i] for i in range(len(_FIELDS))))
-
-
-def _corrected(g, last, h, hp, tensor_clip):
-    c = F.corrected_gradient_(last, g, h.a, COMPILED)
+def _corrected(g, last, h, tensor_clip):
+    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, COMPILED)
     if tensor_clip:
         return F.clip_tensor_(c, COMPILED.norm(c), COMPILED)
-    return c.div_(hp[DIVISOR])
+    return c.div_(h.clip_divisor)  # 1 without a global clip
 
 
-def adamw_kernel(p, g, last, m, v, vmax, hp, tensor_clip: bool, write_last: bool):
+def adamw_kernel(p, g, last, m, v, vmax, h, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M9) for one tensor."""
-    h = _unpack(hp)
-    c = _corrected(g, last, h, hp, tensor_clip)
+    c = _corrected(g, last, h, tensor_clip)
     F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
-def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
+def lion_kernel(p, g, last, m, h, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M4), (M10) for one tensor."""
-    h = _unpack(hp)
-    c = _corrected(g, last, h, hp, tensor_clip)
+    c = _corrected(g, last, h, tensor_clip)
     F.lion_rule_(p, c, m, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
-def fallback_kernel(p, g, m, v, hp):
-    r"""(M14): AdamW on the raw gradient (hp carries lr r, betas_1d, the 1-D weight decay)."""
-    F.adamw_rule_(p, g, m, v, None, _unpack(hp), COMPILED)
+def fallback_kernel(p, g, m, v, h):
+    r"""(M14): AdamW on the raw gradient (``h`` carries lr r, betas_1d, the 1-D weight decay)."""
+    F.adamw_rule_(p, g, m, v, None, h, COMPILED)
 
 
 _compiled = {}
@@ -60,18 +51,6 @@ def compiled(fn):
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _compiled[fn]
-
-
-def hp_tensor(h, device, dtype, divisor=None):
-    """``Hyper`` (with bias corrections) as one tensor on ``device``, + the clip divisor."""
-    hp = torch.tensor([float(getattr(h, f)) for f in _FIELDS] + [1.0], dtype=dtype)
-    if device.type == "cuda":  # a pageable host-to-device copy would synchronise the stream
-        hp = hp.pin_memory().to(device, non_blocking=True)
-    else:
-        hp = hp.to(device)
-    if divisor is not None:  # the global clip's clamped norm, already on the device
-        hp[DIVISOR] = divisor.to(dtype)
-    return hp
 
 
 def _flat(*tensors):
@@ -92,8 +71,8 @@ def _flat(*tensors):
 def _over_lists(kernel):
     """``kernel`` applied to every row of column lists, as one function (compiled once per
     group in ``compiled="group"`` mode: one call and one guard check for the whole group)."""
-    def run(columns, hp, *flags):
-        return [kernel(*row, hp, *flags) for row in zip(*columns)]
+    def run(columns, h, *flags):
+        return [kernel(*row, h, *flags) for row in zip(*columns)]
     run.__name__ = f"{kernel.__name__}_over_lists"
     return run
 
@@ -102,38 +81,41 @@ _listed = {}
 
 
 def _run(calls, grouped):
-    """Execute ``(kernel, tensors, hp, flags)`` calls one by one (``compiled="tensor"``) or
-    batched by (kernel, hp, flags) into one compiled call each (``compiled="group"``)."""
+    """Execute ``(kernel, tensors, h, flags)`` calls one by one (``compiled="tensor"``) or
+    batched by (kernel, h, flags) into one compiled call each (``compiled="group"``)."""
     if not grouped:
-        return [compiled(kernel)(*tensors, hp, *flags) for kernel, tensors, hp, flags in calls]
+        return [compiled(kernel)(*tensors, h, *flags) for kernel, tensors, h, flags in calls]
     batches = {}
-    for kernel, tensors, hp, flags in calls:
-        batches.setdefault((kernel, id(hp), flags), (hp, []))[1].append(tensors)
+    for kernel, tensors, h, flags in calls:
+        batches.setdefault((kernel, id(h), flags), (h, []))[1].append(tensors)
     out = []
-    for (kernel, _, flags), (hp, rows) in batches.items():
+    for (kernel, _, flags), (h, rows) in batches.items():
         if kernel not in _listed:
             _listed[kernel] = torch.compile(_over_lists(kernel), dynamic=True, fullgraph=True)
-        out += _listed[kernel]([list(col) for col in zip(*rows)], hp, *flags)
+        out += _listed[kernel]([list(col) for col in zip(*rows)], h, *flags)
     return out
 
 
-def update(buffers, steps, kinds, hp, scope, total, write_last, grouped):
+def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped):
     """The whole step of every (non-Shampoo) tensor: one compiled kernel call per tensor, or
-    per batch of same-route tensors with ``grouped``.  ``total``: the global norm (or None)."""
+    per batch of same-route tensors with ``grouped``.  ``hypers``: each route's ``Hyper``;
+    ``total``: the global norm (or None)."""
     divisor = torch.clamp(total, min=1.0) if scope == "global" else None
     flags = (scope == "tensor", write_last)
     cache, calls = {}, []
     for (p, g, m, v, vmax, last), k, kind in zip(zip(*buffers), steps, kinds):
         key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync
         if key not in cache:
-            h = F.with_bias_corrections(F.resolve_hyperparameters(hp, kind), key[2], COMPILED)
-            dtype = torch.promote_types(p.dtype, torch.float32)
-            cache[key] = hp_tensor(h, p.device, dtype, None if kind == F.FALLBACK else divisor)
-        hpt = cache[key]
+            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)
+            h = h.on_device(p.device, torch.promote_types(p.dtype, torch.float32))
+            if divisor is not None and kind != F.FALLBACK:  # already on the device
+                h = h._replace(clip_divisor=divisor.to(h.lr.dtype))
+            cache[key] = h
+        h = cache[key]
         if kind == F.FALLBACK:
-            calls.append((fallback_kernel, _flat(p, g, m, v), hpt, ()))
+            calls.append((fallback_kernel, _flat(p, g, m, v), h, ()))
         elif kind == F.LION:
-            calls.append((lion_kernel, _flat(p, g, last, m), hpt, flags))
+            calls.append((lion_kernel, _flat(p, g, last, m), h, flags))
         else:
-            calls.append((adamw_kernel, _flat(p, g, last, m, v, vmax), hpt, flags))
+            calls.append((adamw_kernel, _flat(p, g, last, m, v, vmax), h, flags))
     _run(calls, grouped)

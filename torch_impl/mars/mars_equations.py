@@ -10,7 +10,7 @@ Nothing here synchronises with the device: the clip divides by ``clamp(norm, min
 instead of branching on the norm, and bias corrections come from CPU step counters.
 """
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,41 +41,57 @@ def route(shape, mars_type, optimize_1d):
 
 # ------------------------------------------------------------------ hyperparameters
 
-@dataclass
-class Hyper:
-    """The numbers one route uses at one step (scalars; per-tensor lists under FOREACH)."""
-    lr: float
-    wd: float
-    a: float
-    beta1: float
-    beta2: float
-    eps: float
-    bc1: object = None
-    sqrt_bc2: object = None
+class Hyper(NamedTuple):
+    """The numbers one route uses at one step, by the constructor's names: the record every
+    path reads (the loop and foreach kernels with Python numbers, per-tensor lists for the
+    bias corrections under FOREACH; the compiled kernels with 0-d tensors, ``on_device``).
+    MARS and MARS-M share it: MARS-M's ``momentum`` is its ``beta1``."""
+    lr: object
+    weight_decay: object
+    gamma: object  # enters the equations as a = gamma beta1 / (1 - beta1) (M2)
+    beta1: object
+    beta2: object
+    eps: object
+    bc1: object = 1.0  # 1 - beta1^k
+    sqrt_bc2: object = 1.0  # sqrt(1 - beta2^k)
+    clip_divisor: object = 1.0  # the global clip's max(||c||, 1) (M3, clip_scope="global")
+    scale: object = 1.0  # MARS-M's 0.2 sqrt(max(A, B)) (M17)
+
+    def on_device(self, device, dtype):
+        """The record as 0-d tensors on ``device``, for the compiled kernels: one host-to-device
+        copy (pinned and non-blocking on CUDA, which a pageable copy would synchronise), so
+        that a new lr, bias correction or scale is new data, never a recompilation."""
+        packed = torch.tensor([float(x) for x in self], dtype=dtype)
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        return Hyper(*packed.unbind())
 
 
-def resolve_hyperparameters(hp, kind):
-    """The one resolver: group dict (or functional keywords) -> the route's ``Hyper``.
+def resolve_hyperparameters(kind, *, lr, betas, eps, weight_decay, gamma, lr_1d_factor,
+                            betas_1d, weight_decay_1d, weight_decay_1d_source):
+    """The one resolver: the optimizer's keywords -> the route's ``Hyper``.
 
     MARS routes use (lr, weight_decay, betas, gamma); the fallback (M14) uses lr r,
     ``betas_1d``, no correction, and ``weight_decay_1d`` or the group's ``weight_decay``
     (``weight_decay_1d_source``)."""
     if kind == FALLBACK:
-        b1, b2 = hp["betas_1d"]
-        wd = hp["weight_decay_1d"] if hp["weight_decay_1d_source"] == "constructor" \
-            else hp["weight_decay"]
-        return Hyper(_number(hp["lr"]) * hp["lr_1d_factor"], wd, 0.0, b1, b2, hp["eps"])
-    b1, b2 = hp["betas"]
-    return Hyper(_number(hp["lr"]), hp["weight_decay"], correction_coefficient(hp["gamma"], b1),
-                 b1, b2, hp["eps"])
+        beta1, beta2 = betas_1d
+        if weight_decay_1d_source == "constructor":
+            weight_decay = weight_decay_1d
+        return Hyper(lr=_number(lr) * lr_1d_factor, weight_decay=weight_decay, gamma=0.0,
+                     beta1=beta1, beta2=beta2, eps=eps)
+    beta1, beta2 = betas
+    return Hyper(lr=_number(lr), weight_decay=weight_decay, gamma=gamma, beta1=beta1,
+                 beta2=beta2, eps=eps)
 
 
 def with_bias_corrections(h, ks, ops):
     """``h`` with bc1 = 1 - beta1^k and sqrt(bc2) for step(s) ``ks`` (CPU numbers, or 0-d
     tensors while ``torch.compile`` traces the step: ``_step_count``)."""
-    h.bc1 = ops.each(lambda k: 1.0 - h.beta1**k, ks)
-    h.sqrt_bc2 = ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks)
-    return h
+    return h._replace(bc1=ops.each(lambda k: 1.0 - h.beta1**k, ks),
+                      sqrt_bc2=ops.each(lambda k: _sqrt(1.0 - h.beta2**k), ks))
 
 
 def _sqrt(x):
@@ -109,10 +125,11 @@ def shape_scale(shape):
     return max(1.0, shape[0] / shape[1]) ** 0.5 if shape[1] else 1.0
 
 
-def corrected_gradient_(g_prev, g, a, ops=SINGLE):
-    r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = lerp(g_prev, g_t, 1 + a), written
-    into the buffer that held g_prev: one pass, no temporary."""
-    return ops.lerp_(g_prev, g, 1.0 + a)
+def corrected_gradient_(g_prev, g, gamma, beta1, ops=SINGLE):
+    r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = lerp(g_prev, g_t, 1 + a) with
+    a = gamma beta1 / (1 - beta1), written into the buffer that held g_prev: one pass, no
+    temporary."""
+    return ops.lerp_(g_prev, g, 1.0 + correction_coefficient(gamma, beta1))
 
 
 def clip_tensor_(c, norm, ops=SINGLE):
@@ -163,13 +180,13 @@ def adamw_step_(p, m, v, h, ops=SINGLE):
     denom = ops.sqrt(v)
     ops.div_(denom, h.sqrt_bc2)
     ops.add_(denom, h.eps)
-    ops.decay_(p, h.lr, h.wd)
+    ops.decay_(p, h.lr, h.weight_decay)
     ops.addcdiv_(p, m, denom, ops.each(lambda b: -h.lr / b, h.bc1))
 
 
 def lion_step_(p, m, h, ops=SINGLE):
     r"""(M10)  p <- p (1 - lr wd) - lr sign(m)."""
-    ops.decay_(p, h.lr, h.wd)
+    ops.decay_(p, h.lr, h.weight_decay)
     ops.add_scaled_(p, ops.sign(m), -h.lr)
 
 
@@ -187,7 +204,7 @@ def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None):
     if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
         return
     direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
-    SINGLE.decay_(p, h.lr, h.wd)
+    SINGLE.decay_(p, h.lr, h.weight_decay)
     p.add_(direction, alpha=-h.lr * (shape_scale(p.shape) if scale is None else scale))
 
 

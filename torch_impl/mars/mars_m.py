@@ -1,5 +1,7 @@
 """``MARSM``: MARS on Muon (arXiv 2510.21800) as a torch.optim.Optimizer, and ``MARS_M`` /
 ``MARS_M_Efficient``, the same optimizer behind the authors' constructor keywords."""
+import functools
+
 import torch
 from torch.optim import Optimizer
 
@@ -144,7 +146,13 @@ class MARSM(Optimizer):
             params, grads, bufs, lasts, m1, m2, steps, kinds = [], [], [], [], [], [], [], []
             self._init_group(group, params, grads, bufs, lasts, m1, m2, steps, kinds)
             mars_m(params, grads, bufs, lasts, m1, m2, steps, kinds,
-                   write_last_grad=not exact, **{k: group[k] for k in _KEYWORDS})
+                   lr=group["lr"], weight_decay=group["weight_decay"],
+                   momentum=group["momentum"], gamma=group["gamma"],
+                   ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"],
+                   clip_c=group["clip_c"], adamw_betas=group["adamw_betas"],
+                   adamw_eps=group["adamw_eps"], maximize=group["maximize"],
+                   foreach=group["foreach"], compiled=group["compiled"],
+                   write_last_grad=not exact)
         return loss
 
     def _check_gradients(self):
@@ -197,10 +205,6 @@ class MARSM(Optimizer):
             m2.append(st.get("moment2"))
             steps.append(st["step"])
             kinds.append(kind)
-
-
-_KEYWORDS = ("lr", "weight_decay", "momentum", "gamma", "ns_steps", "ns_dtype", "clip_c",
-             "adamw_betas", "adamw_eps", "maximize", "foreach", "compiled")
 
 
 def _kind(p, group):
@@ -284,11 +288,7 @@ class MARS_M(MARSM):  # noqa: N801  (the authors' class name, for a one-line imp
 
 class MARS_M_Efficient(MARS_M):  # noqa: N801
     """The authors' ``MARS_M_Efficient(lr, wd, muon_params, momentum, ns_steps, adamw_params,
-    adamw_betas, adamw_eps, gamma)``: ``MARS_M`` with ``efficient=True`` (M18)."""
+    adamw_betas, adamw_eps, gamma)``: ``MARS_M`` with ``efficient=True`` (M18), its defaults
+    ``MARS_M``'s."""
 
-    def __init__(self, lr=1e-3, wd=0.1, muon_params=None, momentum=0.95, ns_steps=5,
-                 adamw_params=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, gamma=0.025,
-                 **options):
-        super().__init__(lr=lr, wd=wd, muon_params=muon_params, momentum=momentum,
-                         ns_steps=ns_steps, adamw_params=adamw_params, adamw_betas=adamw_betas,
-                         adamw_eps=adamw_eps, gamma=gamma, efficient=True, **options)
+    __init__ = functools.partialmethod(MARS_M.__init__, efficient=True)

@@ -16,17 +16,17 @@ MARS_M_NS_EPS = 1e-7  # the authors' Newton-Schulz eps (not the AdamW eps)
 
 # ------------------------------------------------------------------ hyperparameters
 
-def resolve_hyperparameters(hp, kind):
-    """The one MARS-M resolver: group dict (or functional keywords) -> the route's ``Hyper``.
-    Matrices: beta1 = ``momentum``, a = gamma beta/(1 - beta); the backup: ``adamw_betas``,
-    ``adamw_eps``.  Both decay by the group's ``weight_decay`` (the authors' ``wd``)."""
-    lr = F._number(hp["lr"])
+def resolve_hyperparameters(kind, *, lr, weight_decay, momentum, gamma, adamw_betas,
+                            adamw_eps):
+    """The one MARS-M resolver: the optimizer's keywords -> the route's ``Hyper``.
+    Matrices: beta1 = ``momentum`` (a = gamma beta/(1 - beta) in M15); the backup:
+    ``adamw_betas``, ``adamw_eps``.  Both decay by ``weight_decay`` (the authors' ``wd``)."""
     if kind == BACKUP:
-        b1, b2 = hp["adamw_betas"]
-        return F.Hyper(lr, hp["weight_decay"], 0.0, b1, b2, hp["adamw_eps"])
-    beta = hp["momentum"]
-    return F.Hyper(lr, hp["weight_decay"], F.correction_coefficient(hp["gamma"], beta), beta,
-                   0.0, MARS_M_NS_EPS)
+        beta1, beta2 = adamw_betas
+        return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=0.0, beta1=beta1,
+                       beta2=beta2, eps=adamw_eps)
+    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=momentum,
+                   beta2=0.0, eps=MARS_M_NS_EPS)
 
 
 # ------------------------------------------------------------------ equations (2.6)
@@ -39,7 +39,7 @@ def match_rms_scale(shape):
 def mars_m_momentum_(m, g, last, h, clip, ops=SINGLE):
     r"""(M15)  C_t = g + a (g - g_prev) in ``last``'s buffer, clipped to norm 1 if ``clip``,
     then M <- beta M + (1 - beta) C~_t.  Returns M."""
-    c = F.corrected_gradient_(last, g, h.a, ops)
+    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, ops)
     if clip:
         F.clip_tensor_(c, ops.norm(c), ops)
     return F.momentum_(m, c, h.beta1, ops)
@@ -51,10 +51,10 @@ def mars_m_direction(m, ns_steps, ns_dtype):
     return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)
 
 
-def mars_m_step_(p, o, h, scale, ops=SINGLE):
-    r"""(M17)  p <- p (1 - lr lambda) - lr scale O."""
-    ops.decay_(p, h.lr, h.wd)
-    ops.add_scaled_(p, o, -h.lr * scale)
+def mars_m_step_(p, o, h, ops=SINGLE):
+    r"""(M17)  p <- p (1 - lr lambda) - lr scale O, ``h.scale`` = 0.2 sqrt(max(A, B))."""
+    ops.decay_(p, h.lr, h.weight_decay)
+    ops.add_scaled_(p, o, -h.lr * h.scale)
 
 
 def efficient_buffer_(buf, g, gamma, beta, ops=SINGLE):
@@ -75,7 +75,7 @@ def backup_adamw_step_(p, g, m, v, h, ops=SINGLE):
     F.second_moment_(v, g, h.beta2, ops)
     denom = ops.sqrt(v)
     ops.add_(denom, h.eps)
-    ops.decay_(p, h.lr, h.wd)
+    ops.decay_(p, h.lr, h.weight_decay)
     if isinstance(h.bc1, list):  # FOREACH: one step size per tensor
         step = [-h.lr * s / b for b, s in zip(h.bc1, h.sqrt_bc2)]
     else:

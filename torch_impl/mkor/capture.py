@@ -82,6 +82,7 @@ import torch
 from .eager_capture import EagerCaptureSteps
 from .hook_objects import BoundHook, Gated
 from .token_masks import CallContext, mask_sources, storage_key
+from ..common.validation import check_choice
 
 __all__ = ["Capture", "HookedLayers"]
 
@@ -218,8 +219,7 @@ class Capture:
 
     def __init__(self, layers, should_capture, input_stat, grad_stat, grad_hook="tensor",
                  model=None, mask_kwarg=None):
-        if grad_hook not in ("module", "tensor"):
-            raise ValueError(f"grad_hook must be 'module' or 'tensor', got {grad_hook!r}")
+        check_choice("grad_hook", grad_hook, ("module", "tensor"))
         self.grad_hook = grad_hook
         self.layers = list(layers)
         self.should_capture = should_capture

@@ -18,9 +18,10 @@ average              once           double
 spectral norm of the oracle is deliberately not offered here.
 """
 from dataclasses import dataclass, fields
-import math
 
 import torch
+
+from ..common.validation import check_choice, check_int, check_number
 
 __all__ = ["MKOROptions", "COLUMNS", "FACTOR_DTYPES"]
 
@@ -50,108 +51,87 @@ _CHOICES = {
 }
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _dtype(name, value):
     if isinstance(value, str):
         value = FACTOR_DTYPES.get(value.replace("torch.", ""), value)
     if value not in FACTOR_DTYPES.values():
-        raise ValueError(f"{name} must be one of {sorted(FACTOR_DTYPES)}, got {value!r}")
+        raise ValueError(f"{name}: expected one of {sorted(FACTOR_DTYPES)}, got {value!r}")
     return value
 
 
 @dataclass
 class MKOROptions:
-    """All MKOR hyperparameters, validated; see :class:`~torch_impl.mkor.MKOR`."""
+    """All MKOR hyperparameters, validated, by :class:`~torch_impl.mkor.MKOR`'s names; its
+    signature holds their defaults (written nowhere else) and builds this record.  Options
+    left None take the ``variant``'s column (the table above)."""
 
-    inv_freq: int = 10
-    stat_decay: float = 0.95
-    variant: str = "paper"
-    zeta: float = 0.9
-    threshold: float = 2.0
-    stabilizer_norm: str = "max_entry"
-    stabilizer_timing: str = None
-    stabilizer_reset: str = None
-    stabilizer_coupling: str = None
-    first_update: str = None
-    rescale: str = None
-    factor_dtype: object = None
-    average: str = None
-    comm_dtype: object = None
-    precondition_dtype: object = None
-    warmup_steps: int = 0
-    grad_accum_steps: int = None
-    grad_scale: float = 1.0
-    skip_modules: tuple = ()
-    grad_hook: str = "tensor"
-    hybrid_switch: str = None
-    switch_window: int = 50
-    switch_check_every: int = 10
-    switch_threshold: float = 1e-3
-    switch_patience: int = 3
-    switch_step: int = None
-    max_factor_dim: int = 8192
-    token_mask: str = "attention_mask"
+    inv_freq: int
+    stat_decay: float
+    variant: str
+    zeta: float
+    threshold: float
+    stabilizer_norm: str
+    stabilizer_timing: str
+    stabilizer_reset: str
+    stabilizer_coupling: str
+    first_update: str
+    rescale: str
+    factor_dtype: object
+    average: str
+    comm_dtype: object
+    precondition_dtype: object
+    warmup_steps: int
+    grad_accum_steps: int
+    grad_scale: float
+    skip_modules: tuple
+    grad_hook: str
+    hybrid_switch: str
+    switch_window: int
+    switch_check_every: int
+    switch_threshold: float
+    switch_patience: int
+    switch_step: int
+    max_factor_dim: int
+    token_mask: str
 
     def __post_init__(self):
-        if self.variant not in _CHOICES["variant"]:
-            raise ValueError(f"variant must be 'paper' or 'released', got {self.variant!r}")
+        check_choice("variant", self.variant, _CHOICES["variant"])
         for key, value in COLUMNS[self.variant].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
         for key, allowed in _CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
+            check_choice(key, getattr(self, key), allowed)
         self.factor_dtype = _dtype("factor_dtype", self.factor_dtype)
         if self.comm_dtype is not None:
             self.comm_dtype = _dtype("comm_dtype", self.comm_dtype)
         if self.precondition_dtype is not None:
             self.precondition_dtype = _dtype("precondition_dtype", self.precondition_dtype)
-        if not (_is_int(self.inv_freq) and self.inv_freq >= 1):
-            raise ValueError(f"inv_freq must be an int >= 1, got {self.inv_freq!r}")
-        if not (_is_real(self.stat_decay) and 0 < self.stat_decay < 1):
-            raise ValueError(f"stat_decay must be in (0, 1), got {self.stat_decay!r}")
-        if not (_is_real(self.zeta) and 0 <= self.zeta <= 1):
-            raise ValueError(f"zeta must be in [0, 1], got {self.zeta!r}")
-        if not (_is_real(self.threshold) and self.threshold > 0):
-            raise ValueError(f"threshold must be a finite number > 0, got {self.threshold!r}")
-        if not (_is_int(self.warmup_steps) and self.warmup_steps >= 0):
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if self.grad_accum_steps is not None and not (
-                _is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1):
-            raise ValueError(
-                f"grad_accum_steps must be None or an int >= 1, got {self.grad_accum_steps!r}")
-        if not (isinstance(self.grad_scale, torch.Tensor)
-                or (_is_real(self.grad_scale) and self.grad_scale > 0)):
-            raise ValueError(f"grad_scale must be a finite number > 0, got {self.grad_scale!r}")
+        check_int("inv_freq", self.inv_freq, low=1)
+        check_number("stat_decay", self.stat_decay, 0.0, 1.0, high_open=True, low_open=True)
+        check_number("zeta", self.zeta, 0.0, 1.0)
+        check_number("threshold", self.threshold, 0.0, low_open=True, finite=True)
+        check_int("warmup_steps", self.warmup_steps, low=0)
+        if self.grad_accum_steps is not None:
+            check_int("grad_accum_steps", self.grad_accum_steps, low=1)
+        if not isinstance(self.grad_scale, torch.Tensor):
+            check_number("grad_scale", self.grad_scale, 0.0, low_open=True, finite=True)
         if isinstance(self.skip_modules, str):
             self.skip_modules = (self.skip_modules,)
         self.skip_modules = tuple(self.skip_modules)
         if not all(isinstance(p, str) for p in self.skip_modules):
-            raise ValueError("skip_modules must be name patterns (strings)")
+            raise ValueError(f"skip_modules: expected name patterns (strings), "
+                             f"got {self.skip_modules!r}")
         for key in ("switch_window", "switch_check_every", "switch_patience"):
-            if not (_is_int(getattr(self, key)) and getattr(self, key) >= 1):
-                raise ValueError(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
-        if not _is_real(self.switch_threshold):
-            raise ValueError(
-                f"switch_threshold must be a finite number, got {self.switch_threshold!r}")
-        if self.max_factor_dim is not None and not (
-                _is_int(self.max_factor_dim) and self.max_factor_dim >= 1):
-            raise ValueError(
-                f"max_factor_dim must be None or an int >= 1, got {self.max_factor_dim!r}")
+            check_int(key, getattr(self, key), low=1)
+        check_number("switch_threshold", self.switch_threshold, finite=True)
+        if self.max_factor_dim is not None:
+            check_int("max_factor_dim", self.max_factor_dim, low=1)
         if self.token_mask is not None and not (
                 isinstance(self.token_mask, str) and self.token_mask.isidentifier()):
             raise ValueError(
-                f"token_mask must be None or a keyword name, got {self.token_mask!r}")
-        if self.switch_step is not None and not (
-                _is_int(self.switch_step) and self.switch_step >= 0):
-            raise ValueError(f"switch_step must be None or an int >= 0, got {self.switch_step!r}")
+                f"token_mask: expected None or a keyword name, got {self.token_mask!r}")
+        if self.switch_step is not None:
+            check_int("switch_step", self.switch_step, low=0)
 
     @property
     def compute_dtype(self):

@@ -8,7 +8,9 @@ can be timed alone (e.g. ``factor_update`` or ``ema_inverse_update`` for a
 complexity benchmark).
 
 Notation: J is a stored *inverse* factor (L^{-1} or R^{-1}), v its rank-1 vector,
-gamma the factor EMA decay, zeta the stabiliser's weight on J.
+``stat_decay`` the factor EMA decay (the spec's gamma, K8), zeta the stabiliser's weight on J,
+``threshold`` its epsilon (K12). The hyperparameters keep MKOR's names; none has a default
+here: ``MKOR``'s signature is where each default is written.
 """
 import torch
 
@@ -19,7 +21,8 @@ __all__ = [
     "rescale", "RELEASED_BLEND", "RELEASED_THRESHOLD", "VARIANT_COLUMNS",
 ]
 
-# Hard-coded in the released code (K10, K12): J' = 0.95 J + (1 - 0.95) I, threshold 2.
+# Hard-coded in the released code (K10, K12): J' = 0.95 J + (1 - 0.95) I, threshold 2 (the
+# paper gives no epsilon: MKOR's default ``threshold`` is this one in both variants).
 RELEASED_BLEND = 0.95
 RELEASED_THRESHOLD = 2.0
 
@@ -48,20 +51,21 @@ def sherman_morrison(J, v):
     return J - torch.outer(Jv, vJ) / (1 + torch.dot(v, Jv))
 
 
-def ema_inverse_update(J, v, gamma):
+def ema_inverse_update(J, v, stat_decay):
     r"""Exact inverse of the factor EMA, variant ``"paper"`` (K8), symmetrised.
 
-    With J = L_{t-1}^{-1} and L_t = \gamma L_{t-1} + (1-\gamma) v v^T:
+    With J = L_{t-1}^{-1}, \rho = ``stat_decay`` (the spec's \gamma) and
+    L_t = \rho L_{t-1} + (1-\rho) v v^T:
 
     .. math::
-        J_t = \frac{1}{\gamma}\Big(J - \frac{(1-\gamma)\,(Jv)(v^T J)}
-                                       {\gamma + (1-\gamma)\, v^T J v}\Big)
-            = \big(\gamma J^{-1} + (1-\gamma) v v^T\big)^{-1}.
+        J_t = \frac{1}{\rho}\Big(J - \frac{(1-\rho)\,(Jv)(v^T J)}
+                                     {\rho + (1-\rho)\, v^T J v}\Big)
+            = \big(\rho J^{-1} + (1-\rho) v v^T\big)^{-1}.
     """
     Jv = J @ v
     vJ = v @ J
-    denominator = gamma + (1 - gamma) * torch.dot(v, Jv)
-    return symmetrise((J - (1 - gamma) * torch.outer(Jv, vJ) / denominator) / gamma)
+    denominator = stat_decay + (1 - stat_decay) * torch.dot(v, Jv)
+    return symmetrise((J - (1 - stat_decay) * torch.outer(Jv, vJ) / denominator) / stat_decay)
 
 
 def released_inverse_update(J, v):
@@ -75,10 +79,11 @@ def released_inverse_update(J, v):
     return symmetrise(sherman_morrison(blended, v))
 
 
-def rank1_inverse_update(J, v, *, variant="paper", gamma=0.95):
-    """The SM step of a variant: K8 (``"paper"``) or K10 (``"released"``)."""
+def rank1_inverse_update(J, v, *, variant, stat_decay):
+    """The SM step of a variant: K8 (``"paper"``) or K10 (``"released"``, which ignores
+    ``stat_decay``)."""
     if variant == "paper":
-        return ema_inverse_update(J, v, gamma)
+        return ema_inverse_update(J, v, stat_decay)
     if variant == "released":
         return released_inverse_update(J, v)
     raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
@@ -87,13 +92,14 @@ def rank1_inverse_update(J, v, *, variant="paper", gamma=0.95):
 def max_entry_norm(J):
     r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, one O(d^2) pass.
 
-    As max(-min J, max J) from one ``aminmax`` pass: ``vector_norm(ord=inf)`` measured ~18x
-    slower on CPU (d = 2048), and ``abs().amax()`` writes a temporary.  NaN propagates."""
+    As max(-min J, max J) from one ``aminmax`` pass: ``vector_norm(ord=inf)`` measured slower
+    on CPU (``figures/bench/README.md``), and ``abs().amax()`` writes a temporary.  NaN
+    propagates."""
     low, high = torch.aminmax(J)
     return torch.maximum(-low, high)
 
 
-def needs_stabilising(J, threshold=RELEASED_THRESHOLD, norm="max_entry"):
+def needs_stabilising(J, threshold, norm="max_entry"):
     """norm(J) > threshold as a 0-d bool tensor; NaN counts as True (unlike the code).
     Only the O(d^2) ``"max_entry"`` norm is offered (the oracle's spectral one is O(d^3))."""
     if norm != "max_entry":
@@ -127,9 +133,9 @@ def _as_flag(flag, like):
     return torch.full((), bool(flag), dtype=torch.bool, device=like.device)
 
 
-def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
-                  norm="max_entry", stabilizer_timing=None, stabilizer_reset=None,
-                  first_update=None, first=False, reset_flag=False, out=None):
+def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry",
+                  stabilizer_timing=None, stabilizer_reset=None, first_update=None,
+                  first=False, reset_flag=False, out=None):
     r"""One factor's whole update (ALG lines 5-8; K8, K10, K11, K12). No host sync.
 
     ``stabilizer_timing="before_sm"`` (paper):
@@ -148,11 +154,11 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
 
     .. math::
         J_t = \kappa\alpha\, J + \kappa\beta\, I - w\, u u^T,\qquad
-        (\kappa, w) = \Big(\frac1\gamma, \frac{1-\gamma}{\gamma(\gamma + (1-\gamma) v^T u)}\Big)
+        (\kappa, w) = \Big(\frac1\rho, \frac{1-\rho}{\rho(\rho + (1-\rho) v^T u)}\Big)
         \text{ (K8)},\quad \Big(1, \frac1{1 + v^T u}\Big) \text{ (K10)},
 
     so the update reads J once for J v and once to write J_t (plus one max-entry pass), and
-    never materialises \hat J, the identity or a blend.  ``-w u u^T`` is applied as
+    never materialises \hat J, the identity or a blend (\rho = ``stat_decay``).  ``-w u u^T`` is applied as
     ``-a a^T`` with a = \sqrt{w} u, which keeps J_t exactly symmetric (w >= 0 for SPD J).
 
     ``first`` and ``reset_flag`` may be Python bools or 0-d bool tensors. Options left
@@ -186,7 +192,8 @@ def factor_update(J, v, *, variant="paper", gamma=0.95, zeta=0.9, threshold=2.0,
     u = alpha * (J @ v) + beta * v
     q = torch.dot(v, u)
     if variant == "paper":
-        kappa, w = 1.0 / gamma, (1 - gamma) / (gamma * (gamma + (1 - gamma) * q))
+        kappa = 1.0 / stat_decay
+        w = (1 - stat_decay) / (stat_decay * (stat_decay + (1 - stat_decay) * q))
     else:
         kappa, w = 1.0, 1.0 / (1 + q)
     A, B = kappa * alpha, kappa * beta

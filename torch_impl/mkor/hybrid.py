@@ -26,13 +26,9 @@ import torch
 
 from .distributed import mean_over_ranks, world_size
 from .hook_objects import CopyInertHook
+from ..common.validation import check_int, check_number
 
 __all__ = ["LossRateSwitch", "LossFeed", "HybridSwitching"]
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class LossRateSwitch:
@@ -45,20 +41,21 @@ class LossRateSwitch:
         patience: consecutive slow checks needed, >= 1.
         switch_step: optional k >= 0: switch exactly at t = k.
 
+    No defaults: ``MKOR``'s ``switch_window``, ``switch_check_every``, ``switch_threshold``
+    and ``switch_patience`` are where they are written.
+
     :meth:`observe` returns whether the switch has happened (True from the firing
     step on); ``switched_at`` is the t at which it fired.
     """
 
-    def __init__(self, window=50, check_every=10, threshold=1e-3, patience=3,
-                 switch_step=None):
-        _check_int("window", window, 1)
-        _check_int("check_every", check_every, 1)
-        _check_int("patience", patience, 1)
-        if threshold is not None and not (isinstance(threshold, (int, float))
-                                          and math.isfinite(threshold)):
-            raise ValueError(f"threshold must be None or a finite number, got {threshold!r}")
+    def __init__(self, window, check_every, threshold, patience, switch_step=None):
+        check_int("window", window, low=1)
+        check_int("check_every", check_every, low=1)
+        check_int("patience", patience, low=1)
+        if threshold is not None:
+            check_number("threshold", threshold, finite=True)
         if switch_step is not None:
-            _check_int("switch_step", switch_step, 0)
+            check_int("switch_step", switch_step, low=0)
         self.window, self.check_every, self.patience = window, check_every, patience
         self.threshold, self.switch_step = threshold, switch_step
         self.t = 0              # index of the next observed loss
@@ -213,9 +210,9 @@ class HybridSwitching:
         self._rule = None
         if o.hybrid_switch == "loss_rate" or o.switch_step is not None:
             self._rule = LossRateSwitch(
-                o.switch_window, o.switch_check_every,
-                o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
-                o.switch_patience, o.switch_step)
+                window=o.switch_window, check_every=o.switch_check_every,
+                threshold=o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
+                patience=o.switch_patience, switch_step=o.switch_step)
         self._feed = None if self._rule is None else LossFeed(self._rule, self._mean_over_ranks)
         self._fed_by_hand = False  # observe_loss() was called since the last step
         self._tap_handle = None

@@ -71,10 +71,6 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
     cd = o.compute_dtype
     deferred = o.stabilizer_timing == "deferred"
     coupled = o.stabilizer_coupling == "coupled"
-    common = dict(variant=o.variant, gamma=o.stat_decay, zeta=o.zeta,
-                  threshold=o.threshold, norm=o.stabilizer_norm,
-                  stabilizer_timing=o.stabilizer_timing,
-                  stabilizer_reset=o.stabilizer_reset, first_update=o.first_update)
     R = s["R_inv"].to(cd) if "R_inv" in s else None
     L = s["L_inv"].to(cd) if "L_inv" in s else None
     if deferred:
@@ -88,7 +84,11 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
         if J is None:  # an identity side (size guard): nothing to update
             return None, None
         buf = None if workspace is None else workspace.views([J.shape], cd, J.device)[0]
-        J_new, fired = factor_update(J, v, first=first, reset_flag=flag, out=buf, **common)
+        J_new, fired = factor_update(
+            J, v, variant=o.variant, stat_decay=o.stat_decay, zeta=o.zeta,
+            threshold=o.threshold, norm=o.stabilizer_norm, stabilizer_timing=o.stabilizer_timing,
+            stabilizer_reset=o.stabilizer_reset, first_update=o.first_update, first=first,
+            reset_flag=flag, out=buf)
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
         # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
         finite_v = torch.isfinite(v).all()

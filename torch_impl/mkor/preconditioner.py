@@ -27,10 +27,12 @@ from .config import MKOROptions
 from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, world_size
+from .factors import RELEASED_THRESHOLD
 from .hybrid import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
 from .wrapper import PreconditionedOptimizer
+from ..common.validation import check_bool
 
 __all__ = ["MKOR"]
 
@@ -89,11 +91,12 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         grad_scaler: the ``torch.amp.GradScaler`` of the loop, if it calls
             ``scaler.unscale_(mkor)`` before ``scaler.step(mkor)`` (its scale is then read
             from it, sync-free); ``scaler.step`` alone needs nothing (:mod:`.wrapper`).
-        inv_freq: factor-update period f (K2). stat_decay: gamma of the "paper" EMA (K8).
+        inv_freq: factor-update period f (K2). stat_decay: the decay of the "paper" factor
+            EMA (K8; the spec's gamma).
         variant: "paper" (default) or "released"; picks the column of spec section 4
             for every option below left as None.
         zeta: weight on J in the stabiliser blend (K11). threshold: the stabiliser's
-            max-entry threshold epsilon (K12).
+            max-entry threshold epsilon (K12; default the released code's 2).
         stabilizer_norm: only "max_entry" (O(d^2)). stabilizer_timing: "before_sm" |
             "deferred". stabilizer_reset: "blend" | "identity". stabilizer_coupling:
             "per_factor" | "coupled". first_update: "sm" | "identity". rescale: "joint" |
@@ -151,7 +154,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
     _state_key = "mkor"
 
     def __init__(self, model, optimizer, *, inv_freq=10, stat_decay=0.95, variant="paper",
-                 zeta=0.9, threshold=2.0, stabilizer_norm="max_entry",
+                 zeta=0.9, threshold=RELEASED_THRESHOLD, stabilizer_norm="max_entry",
                  stabilizer_timing=None, stabilizer_reset=None, stabilizer_coupling=None,
                  first_update=None, rescale=None, factor_dtype=None, average=None,
                  comm_dtype=None, precondition_dtype=None, warmup_steps=0,
@@ -161,13 +164,20 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                  switch_patience=3, switch_step=None, max_factor_dim=8192,
                  token_mask="attention_mask", grad_scaler=None, process_group=None,
                  comm_overlap=False):
-        options = {k: v for k, v in locals().items()
-                   if k not in ("self", "model", "optimizer", "process_group", "comm_overlap",
-                                "grad_scaler", "__class__")}
         self._bind(model, optimizer, grad_scaler)
-        self.options = o = MKOROptions(**options)
-        if not isinstance(comm_overlap, bool):
-            raise ValueError(f"comm_overlap must be a bool, got {comm_overlap!r}")
+        self.options = o = MKOROptions(
+            inv_freq=inv_freq, stat_decay=stat_decay, variant=variant, zeta=zeta,
+            threshold=threshold, stabilizer_norm=stabilizer_norm,
+            stabilizer_timing=stabilizer_timing, stabilizer_reset=stabilizer_reset,
+            stabilizer_coupling=stabilizer_coupling, first_update=first_update,
+            rescale=rescale, factor_dtype=factor_dtype, average=average, comm_dtype=comm_dtype,
+            precondition_dtype=precondition_dtype, warmup_steps=warmup_steps,
+            grad_accum_steps=grad_accum_steps, grad_scale=grad_scale,
+            skip_modules=skip_modules, grad_hook=grad_hook, hybrid_switch=hybrid_switch,
+            switch_window=switch_window, switch_check_every=switch_check_every,
+            switch_threshold=switch_threshold, switch_patience=switch_patience,
+            switch_step=switch_step, max_factor_dim=max_factor_dim, token_mask=token_mask)
+        check_bool("comm_overlap", comm_overlap)
         self.process_group = process_group
         found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
         self._layers, self._skipped = found.layers, found.skipped
