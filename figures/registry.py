@@ -61,11 +61,10 @@ class Float32Muon(torch.optim.Muon):
 
 
 # Every Newton-Schulz of the figures (MARS-Shampoo, MARS-M, Muon) runs in float32, not the
-# bf16 of the authors and of torch.optim.Muon: on a CPU without bf16 matrix units (this
-# project's AMD EPYC) a bf16 matmul is ~17x slower than float32, and bf16 alone made the
-# quick figures take 24 minutes instead of 5; the figures are about convergence, which a
-# float32 iteration of the same quintic does not disadvantage. The names are recorded in
-# the figure JSON.
+# bf16 of the authors and of torch.optim.Muon: a CPU without bf16 matrix units emulates a
+# bf16 matmul, many times slower than float32 (measured: figures/README.md); the figures are
+# about convergence, which a float32 iteration of the same quintic does not disadvantage.
+# The names are recorded in the figure JSON.
 #
 # Keyword defaults per optimizer: MARS from the official constructor with the GPT-2 runs'
 # weight decay (spec MARS.md sections 3 and 6), AdamW from the GPT-2 AdamW runs, Muon wd 0,

@@ -156,8 +156,8 @@ def bench_mars_m(repeats, device, ns_dtype=torch.bfloat16, compiled=True, **shap
     match_rms_adamw scale, wd 0.1, momentum 0.95), both with their Newton-Schulz in
     ``ns_dtype``: bf16 is torch's and the authors'; float32 runs torch's Muon as the figures
     do (``figures.registry.Float32Muon``: torch's step with torch_impl's float32 iteration),
-    for CPUs without bf16 matrix units, where a bf16 matmul is emulated ~17x slower and the
-    comparison would time the emulation."""
+    for CPUs without bf16 matrix units, where a bf16 matmul is emulated, many times slower,
+    and the comparison would time the emulation (measured: figures/bench/README.md)."""
     from ..registry import Float32Muon
 
     wd = 0.1

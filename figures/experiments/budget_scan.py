@@ -4,8 +4,8 @@ which ingredient carries it, the variance reduction (gamma) or MARS's betas?
 
 **Curves** (the labels and keywords of figure 5): AdamW; MARS-AdamW with the official betas
 (0.95, 0.99) and gamma = 0.025; the same at gamma = 0 (no variance reduction); gamma = 0.025 at
-AdamW's betas (0.9, 0.95); MARS-M (float32 Newton-Schulz, the registry's setting for this
-CPU, which has no bf16 matrix units: the authors' bf16 would be many times slower here).
+AdamW's betas (0.9, 0.95); MARS-M (float32 Newton-Schulz, the registry's setting for CPUs
+without bf16 matrix units, where the authors' bf16 would be many times slower).
 
 **Budgets.** Final validation loss after B training tokens, B over an 8x range (``--full``:
 1,024 to 8,192 steps of 16 x 64 tokens, 1.05M to 8.39M tokens). The model is fixed; the lr
@@ -42,15 +42,12 @@ depth 2, 2 heads, context 64 (0.115M parameters), batch 16: 1,024 tokens per ste
 U of the first budget's run (1.05M tokens), one curve costs sweeps 5 x 1 + 3 x (2 + 4 + 8) =
 47 U, about 7.5 U of widening (assumed: one point at every other budget) and reported runs
 3 x (1 + 2 + 4 + 8) = 45 U: ~100 U; the evaluations (256 windows, 9 per reported run, 2 per
-sweep run) add under 1 %. Five curves: ~500 U = 524M tokens. Throughput, training tokens/s
-per process with 1 torch thread, two processes at once as under ``--jobs 2``, the faster of
-4 readings of 300 steps on the quiet machine (2026-12-01, this 2-core AMD EPYC): AdamW 53k,
-the three MARS-AdamW curves 48-49k, MARS-M 44k; harmonic mean 48k. With a 30 % margin,
-34k per process, 67k for the two: 524M / 67k = 7,800 s = 2.2 h (1.5 h at the measured
-speed; every grid widened the most, 3 points, would add 225 U: 3.1 h). Quick mode is a
-miniature (width 32, depth 1, context 32, batch 8; two budgets, 64 and 256 steps: a 4x range,
-not 8x; 3 points at the first budget, at most 2 widenings; 3 reported seeds), about 55 s on
-one core; it checks that the scan builds, its budgets are too short to answer the question.
+sweep run) add under 1 %. Five curves: ~500 U = 524M tokens; every grid widened the most
+(3 points) would add 225 U. The measured throughput, the time this predicts and the measured
+run are in figures/README.md. Quick mode is a miniature (width 32, depth 1, context 32,
+batch 8; two budgets, 64 and 256 steps: a 4x range, not 8x; 3 points at the first budget, at
+most 2 widenings; 3 reported seeds); it checks that the scan builds, its budgets are too
+short to answer the question.
 
 **Redrawing** (``python -m figures.experiments.budget_scan --redraw DIR/budget_scan.json``). The effects
 are functions of the finals alone, so a change to ``EFFECTS`` needs no retraining: this

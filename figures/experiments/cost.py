@@ -28,9 +28,9 @@ BUDGET = {
 
 def steppers(device):
     """The timed optimizers. MARS-Shampoo's Newton-Schulz runs in the official bf16 on a GPU
-    and in float32 on a CPU, where a CPU without bf16 matrix units (this project's AMD EPYC)
-    runs a bf16 matmul ~17x slower than float32: the figure would time that emulation (24 s
-    per step at 1M parameters), not the optimizer."""
+    and in float32 on a CPU, where a CPU without bf16 matrix units emulates a bf16 matmul,
+    many times slower than float32: the figure would time that emulation (measured:
+    figures/README.md), not the optimizer."""
     ns = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return {
         "AdamW (torch)": lambda ps: torch.optim.AdamW(ps, lr=1e-3),

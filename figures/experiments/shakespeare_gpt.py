@@ -26,14 +26,10 @@ BUDGET = {
                  val_windows=4, seeds=2),
     "quick": dict(steps=120, eval_every=20, batch=8, block=64, width=128, depth=4, heads=4,
                   val_windows=64, seeds=3),
-    # Sized to run in about 2 hours of this 2-core CPU (issue 14): the quick run costs 0.19
-    # ms of one core per training token (349 s for 30 runs of 61,440 tokens, float32
-    # Newton-Schulz), so one run of 307,200 tokens is ~60 s; --full --jobs 2 sweeps 10 curves
-    # x (7 lrs x 2 tuning seeds + ~2 edge points) on 2 processes (~80 run-times of wall), then
-    # trains the 10 x 5 reported runs in 2 parts (~25): ~105 run-times plus evaluation,
-    # ~1.9 h (~2.3 h before the reported runs were split); measured 1 h 32 min (2026-12-01:
-    # sweeps 68 min, reported runs 23.5 min). The earlier 1,000 steps of 4,096 tokens at 2.7M
-    # parameters was ~31 CPU-hours and never ran.
+    # Sized for a CPU run (issue 14): --full --jobs 2 sweeps 10 curves x (7 lrs x 2 tuning
+    # seeds + ~2 edge points) on 2 processes (~80 run-times of wall), then trains the 10 x 5
+    # reported runs in 2 parts (~25): ~105 run-times plus evaluation. The measured cost per
+    # token, the estimate and the measured run are in figures/README.md.
     "full": dict(steps=300, eval_every=25, batch=16, block=64, width=128, depth=4, heads=4,
                  val_windows=256, seeds=5),
 }

@@ -237,8 +237,8 @@ def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):
         return torch.mm(L_inv, X, out=D).reshape(grad_W.shape), None
     # [G | b] R^{-1} without concatenating: with R^{-1} = [[R11, r12], [r21^T, r22]],
     # the weight block is G R11 + b r21^T and the bias column G r12 + r22 b. (One GEMM
-    # against R^{-1}[:d, :] would give both, but a d x (d+1) output runs ~3 % slower on
-    # CPU than a d x d one plus the mat-vec.)
+    # against R^{-1}[:d, :] would give both, but a d x (d+1) output measured slower on CPU
+    # than a d x d one plus the mat-vec: figures/bench/README.md.)
     d = G.shape[1]
     X = torch.mm(G, R_inv[:d, :d], out=X).addr_(grad_b.reshape(-1), R_inv[d, :d])
     x_b = torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])

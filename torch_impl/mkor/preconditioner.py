@@ -114,7 +114,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             compute dtype). ``torch.bfloat16`` rounds factors and gradient to 8 bits of
             mantissa (relative error ~2^-8 per entry of Delta before the norm-preserving
             rescale, which runs in the compute dtype) and makes the GEMMs several times faster
-            where the hardware has bf16 matrix units (4.2x on this project's AVX512-BF16 CPU).
+            where the hardware has bf16 matrix units (measured: ``figures/bench/README.md``).
         warmup_steps: update factors at every step while t < warmup_steps (K2).
         grad_accum_steps: None (default) sums statistics over every backward since the
             last step: a_bar is the mean over all captured rows and g_bar the sum of the
