@@ -1,4 +1,5 @@
-"""MARS update math in PyTorch, one function per equation (mirrors ``reference/mars/mars.py``).
+"""MARS update math in PyTorch, one function per equation (mirrors
+``reference/mars/mars_equations.py``).
 
 Each equation is written once against an ``ops`` table (``tensor_ops``) and so serves every
 path: the single-tensor loop (``SINGLE``), the multi-tensor kernels (``FOREACH``) and the

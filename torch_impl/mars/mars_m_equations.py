@@ -1,4 +1,5 @@
-"""MARS-M update math in PyTorch, one function per equation (mirrors ``reference/mars/mars_m.py``);
+"""MARS-M update math in PyTorch, one function per equation (mirrors
+``reference/mars/mars_m_equations.py``);
 the list driver ``mars_m`` that runs them is ``functional.mars_m``.
 
 The elementwise equations run under ``SINGLE`` (one tensor) or ``FOREACH`` (lists) ops, as in

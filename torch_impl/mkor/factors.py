@@ -3,7 +3,7 @@ r"""MKOR's factor algebra as pure tensor functions (spec MKOR.md K7-K14).
 Every function here is O(d^2) in the factor size (mat-vecs and one outer product),
 has no host synchronisation (conditions are ``torch.where`` on 0-d tensors), and never
 calls a matrix inverse, solve or eigendecomposition. They mirror the NumPy oracle
-(``reference/mkor/factors.py`` and ``reference/mkor/preconditioner.py``) function for function and
+(``reference/mkor/factors.py``) function for function and
 can be timed alone (e.g. ``factor_update`` or ``ema_inverse_update`` for a
 complexity benchmark).
 
