@@ -85,8 +85,8 @@ MARS_MUTANTS = {
         Mutant(R_MARS_EQ, "    return beta1 * m + (1.0 - beta1) * c", "    return beta1 * m + c"),
         Mutant(T_F, "    return ops.lerp_(m, c, 1.0 - beta1)", "    return ops.lerp_(m, c, beta1)"),
         # the compiled path's record, moved to the device, read in the wrong order (the
-        # record's transport is positional inside on_device only)
-        Mutant(T_F, "        return Hyper(*packed.unbind())", "        return Hyper(*packed.flip(0).unbind())",
+        # record's transport is positional inside packed/unpack only)
+        Mutant(T_F, "        return cls(*packed.unbind())", "        return cls(*packed.flip(0).unbind())",
                tests=COMPILED_MARS),
         # Lion's step taken before the momentum update (sign of m_{t-1})
         Mutant(T_F, "    momentum_(m, c, h.beta1, ops)\n    lion_step_(p, m, h, ops)",
@@ -237,8 +237,8 @@ MARS_MUTANTS = {
         Mutant(R_MM_EQ, "    return 0.2 * max(shape[0], shape[1]) ** 0.5", "    return 0.2 * min(shape[0], shape[1]) ** 0.5"),
         Mutant(T_MF, '    ops.add_scaled_(p, o, -h.lr * h.scale)', '    ops.add_scaled_(p, o, -h.lr)'),
         Mutant(T_MF, "    return 0.2 * max(shape[0], shape[1]) ** 0.5", "    return 0.2 * shape[0] ** 0.5"),
-        Mutant(T_MC, '            cache[key] = h._replace(scale=s).on_device(p.device, dtype)',
-               '            cache[key] = h.on_device(p.device, dtype)',
+        Mutant(T_MC, '            cache[key] = h._replace(scale=s).packed(p.device, dtype)',
+               '            cache[key] = h.packed(p.device, dtype)',
                tests=COMPILED_MARS_M),
     ],
     "M18": [

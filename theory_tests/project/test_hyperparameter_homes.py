@@ -95,12 +95,16 @@ def test_mars_records_keep_the_constructor_names():
 
 
 def test_the_record_on_the_device_is_the_record():
-    """``Hyper.on_device`` moves every field, by name, in one tensor: no field changes place."""
+    """``Hyper.packed`` moves every field in one tensor and ``Hyper.unpack`` names them again:
+    no field changes place; a field already on the device is written in by its name."""
     h = mars_equations.Hyper(1e-3, 0.1, 0.025, 0.9, 0.99, 1e-8, 0.5, 0.25, 3.0, 7.0)
-    moved = h.on_device(torch.device("cpu"), torch.float64)
-    assert moved._fields == h._fields
-    assert all(torch.is_tensor(x) and x.dim() == 0 for x in moved)
-    assert [float(x) for x in moved] == list(h)
+    packed = h.packed(torch.device("cpu"), torch.float64)
+    assert packed.shape == (len(h._fields),)
+    back = mars_equations.Hyper.unpack(packed)
+    assert back._fields == h._fields and [float(x) for x in back] == list(h)
+    divided = h.packed(torch.device("cpu"), torch.float64, clip_divisor=torch.tensor(9.0))
+    assert [float(x) for x in mars_equations.Hyper.unpack(divided)] == list(
+        h._replace(clip_divisor=9.0))
 
 
 # ---------------------------------------------------------------- one validation style

@@ -5,8 +5,8 @@ per-tensor clip norm) instead of ~12 eager kernels.
 The kernels are not a copy of the math: they call the equation functions of
 ``mars_equations`` with the ``COMPILED`` ops table.  Everything that changes between steps --
 lr, the bias corrections, the global clip divisor -- enters as data: the route's ``Hyper``
-record (from the one resolver, ``resolve_hyperparameters``) as 0-d tensors
-(``Hyper.on_device``), read by name in the kernels, so neither a schedule nor the step count
+record (from the one resolver, ``resolve_hyperparameters``) packed into one tensor
+(``Hyper.packed``) and read by name in the kernels (``Hyper.unpack``), so neither a schedule nor the step count
 recompiles, and shapes are dynamic so one compilation serves every tensor of a rank.
 MARS-Shampoo's matrices keep the eager path: Newton-Schulz is matmul-bound.
 """
@@ -22,25 +22,27 @@ def _corrected(g, last, h, tensor_clip):
     return c.div_(h.clip_divisor)  # 1 without a global clip
 
 
-def adamw_kernel(p, g, last, m, v, vmax, h, tensor_clip: bool, write_last: bool):
+def adamw_kernel(p, g, last, m, v, vmax, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M9) for one tensor."""
+    h = F.Hyper.unpack(hp)
     c = _corrected(g, last, h, tensor_clip)
     F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
-def lion_kernel(p, g, last, m, h, tensor_clip: bool, write_last: bool):
+def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M4), (M10) for one tensor."""
+    h = F.Hyper.unpack(hp)
     c = _corrected(g, last, h, tensor_clip)
     F.lion_rule_(p, c, m, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
-def fallback_kernel(p, g, m, v, h):
-    r"""(M14): AdamW on the raw gradient (``h`` carries lr r, betas_1d, the 1-D weight decay)."""
-    F.adamw_rule_(p, g, m, v, None, h, COMPILED)
+def fallback_kernel(p, g, m, v, hp):
+    r"""(M14): AdamW on the raw gradient (``hp`` carries lr r, betas_1d, the 1-D weight decay)."""
+    F.adamw_rule_(p, g, m, v, None, F.Hyper.unpack(hp), COMPILED)
 
 
 _compiled = {}
@@ -107,15 +109,16 @@ def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped):
         key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync
         if key not in cache:
             h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)
-            h = h.on_device(p.device, torch.promote_types(p.dtype, torch.float32))
+            dtype = torch.promote_types(p.dtype, torch.float32)
             if divisor is not None and kind != F.FALLBACK:  # already on the device
-                h = h._replace(clip_divisor=divisor.to(h.lr.dtype))
-            cache[key] = h
-        h = cache[key]
+                cache[key] = h.packed(p.device, dtype, clip_divisor=divisor)
+            else:
+                cache[key] = h.packed(p.device, dtype)
+        hp = cache[key]
         if kind == F.FALLBACK:
-            calls.append((fallback_kernel, _flat(p, g, m, v), h, ()))
+            calls.append((fallback_kernel, _flat(p, g, m, v), hp, ()))
         elif kind == F.LION:
-            calls.append((lion_kernel, _flat(p, g, last, m), h, flags))
+            calls.append((lion_kernel, _flat(p, g, last, m), hp, flags))
         else:
-            calls.append((adamw_kernel, _flat(p, g, last, m, v, vmax), h, flags))
+            calls.append((adamw_kernel, _flat(p, g, last, m, v, vmax), hp, flags))
     _run(calls, grouped)

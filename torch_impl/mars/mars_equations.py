@@ -45,7 +45,8 @@ def route(shape, mars_type, optimize_1d):
 class Hyper(NamedTuple):
     """The numbers one route uses at one step, by the constructor's names: the record every
     path reads (the loop and foreach kernels with Python numbers, per-tensor lists for the
-    bias corrections under FOREACH; the compiled kernels with 0-d tensors, ``on_device``).
+    bias corrections under FOREACH; the compiled kernels with 0-d tensors: ``packed`` moves it
+    to the device as one tensor, ``unpack`` names its fields again inside the kernel).
     MARS and MARS-M share it: MARS-M's ``momentum`` is its ``beta1``."""
     lr: object
     weight_decay: object
@@ -58,16 +59,26 @@ class Hyper(NamedTuple):
     clip_divisor: object = 1.0  # the global clip's max(||c||, 1) (M3, clip_scope="global")
     scale: object = 1.0  # MARS-M's 0.2 sqrt(max(A, B)) (M17)
 
-    def on_device(self, device, dtype):
-        """The record as 0-d tensors on ``device``, for the compiled kernels: one host-to-device
+    def packed(self, device, dtype, **on_device):
+        """The record as one tensor on ``device``, for the compiled kernels: one host-to-device
         copy (pinned and non-blocking on CUDA, which a pageable copy would synchronise), so
-        that a new lr, bias correction or scale is new data, never a recompilation."""
-        packed = torch.tensor([float(x) for x in self], dtype=dtype)
+        that a new lr, bias correction or scale is new data, never a recompilation.
+        ``on_device``: fields already held as 0-d tensors on the device (the global clip's
+        divisor), written in after the copy.  The kernels read it back with ``unpack``."""
+        values = torch.tensor([float(x) for x in self], dtype=dtype)
         if device.type == "cuda":
-            packed = packed.pin_memory().to(device, non_blocking=True)
+            values = values.pin_memory().to(device, non_blocking=True)
         else:
-            packed = packed.to(device)
-        return Hyper(*packed.unbind())
+            values = values.to(device)
+        for name, value in on_device.items():
+            values[self._fields.index(name)] = value.to(dtype)
+        return values
+
+    @classmethod
+    def unpack(cls, packed):
+        """``packed``'s fields by name again (inside a compiled kernel: free; the one tensor
+        keeps a kernel call to one guarded argument)."""
+        return cls(*packed.unbind())
 
 
 def resolve_hyperparameters(kind, *, lr, betas, eps, weight_decay, gamma, lr_1d_factor,

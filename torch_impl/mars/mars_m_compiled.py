@@ -3,8 +3,8 @@ clip, momentum, Newton-Schulz and the update) and per backup tensor, built from 
 functions of ``mars_m_equations`` with the ``COMPILED`` ops table (no second copy of the math).
 
 Everything that changes between steps (lr, bias corrections) enters as data: the route's
-``Hyper`` record from the one resolver as 0-d tensors (``Hyper.on_device``), the shape scale
-too (one record per distinct scale), read by name, so neither a schedule, the step count nor
+``Hyper`` record from the one resolver packed into one tensor (``Hyper.packed``), the shape
+scale too (one record per distinct scale), read by name (``Hyper.unpack``), so neither a schedule, the step count nor
 a new matrix size recompiles once both orientations have been seen.
 """
 import torch
@@ -13,9 +13,10 @@ from . import mars_compiled
 from . import mars_m_equations as M
 from ..common.tensor_ops import COMPILED
 
-def matrix_kernel(p, g, last, buf, h, clip: bool, write_last: bool, efficient: bool,
+def matrix_kernel(p, g, last, buf, hp, clip: bool, write_last: bool, efficient: bool,
                   ns_steps: int, ns_dtype: torch.dtype):
     r"""(M15)-(M18) for one matrix."""
+    h = M.F.Hyper.unpack(hp)
     if efficient:
         M.efficient_buffer_(buf, g, h.gamma, h.beta1, COMPILED)
         m = M.efficient_argument(buf, g, h.gamma, h.beta1, COMPILED)
@@ -26,9 +27,9 @@ def matrix_kernel(p, g, last, buf, h, clip: bool, write_last: bool, efficient: b
         last.copy_(g)
 
 
-def backup_kernel(p, g, m, v, h):
+def backup_kernel(p, g, m, v, hp):
     r"""The AdamW backup (eps before the bias correction) for one tensor."""
-    M.backup_adamw_step_(p, g, m, v, h, COMPILED)
+    M.backup_adamw_step_(p, g, m, v, M.F.Hyper.unpack(hp), COMPILED)
 
 
 def update(rows, hypers, clip, ns_steps, ns_dtype, write_last):
@@ -42,13 +43,13 @@ def update(rows, hypers, clip, ns_steps, ns_dtype, write_last):
             key = (kind, p.device, dtype, k.item())  # CPU counter: no sync
             if key not in cache:
                 h = M.F.with_bias_corrections(h, key[3], COMPILED)
-                cache[key] = h.on_device(p.device, dtype)
+                cache[key] = h.packed(p.device, dtype)
             mars_compiled.compiled(backup_kernel)(*mars_compiled._flat(p, g, m1, m2), cache[key])
             continue
         s = M.match_rms_scale(p.shape) if scale is None else scale
         key = (kind, p.device, dtype, s)
         if key not in cache:
-            cache[key] = h._replace(scale=s).on_device(p.device, dtype)
+            cache[key] = h._replace(scale=s).packed(p.device, dtype)
         if p.numel():
             mars_compiled.compiled(matrix_kernel)(
                 p, g, last, buf, cache[key], clip, write_last and kind == M.MATRIX,
