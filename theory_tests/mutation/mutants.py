@@ -24,6 +24,7 @@ T_DIST = "torch_impl/mkor/distributed.py"
 T_TM = "torch_impl/mkor/token_masks.py"
 T_EC = "torch_impl/mkor/eager_capture.py"
 T_HO = "torch_impl/mkor/hook_objects.py"
+T_FSDP = "torch_impl/mkor/fsdp.py"
 T_KC = "torch_impl/baselines/kfac_conventions.py"
 R_FO, T_LAMB = "reference/baselines/first_order.py", "torch_impl/baselines/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
@@ -292,7 +293,7 @@ MUTANTS = {
                "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 0, s[\"updates_a\"] == 0, flag_a)"),
     ],
     "PORT-LAYERS": [
-        Mutant(T_LAYERS, "        return module.weight.grad.T\n", "        return module.weight.grad.T.flip(0)\n",
+        Mutant(T_LAYERS, "        return weight_like.T\n", "        return weight_like.T.flip(0)\n",
                tests=("theory_tests/mkor/test_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
         Mutant(T_D, "self.has_bias = module.bias is not None and module.bias.requires_grad",
                "self.has_bias = module.bias is not None"),
@@ -392,6 +393,24 @@ MUTANTS = {
                       "    samples = n / n"),)),
         Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
         Mutant(T_K, "                s[key] = torch.where(ok, blended, s[key])", "                s[key] = blended"),
+    ],
+    "PORT-FSDP2": [
+        # the rank's rows never written back: FSDP2 steps the raw gradient
+        Mutant(T_FSDP, "    shard.to_local().copy_(mine.to_local())", "    pass"),
+        # the gather skipped: the local rows preconditioned as if whole
+        Mutant(T_FSDP, "        self.weight, self.bias = (g.full_tensor() if is_dtensor(g) else g",
+               "        self.weight, self.bias = (g.to_local() if is_dtensor(g) else g"),
+        # MKOR's preconditioned matrix not copied into the gathered gradient
+        Mutant(T_L, "        if grads.sharded:\n            matrix.copy_(delta_W)",
+               "        if grads.sharded:\n            pass"),
+        # K-FAC's rows never written back
+        Mutant(T_K, "                grads.bias.copy_(V[:, -1])\n            grads.write_back()",
+               "                grads.bias.copy_(V[:, -1])"),
+        # a sharding the hooks cannot see whole let through
+        Mutant(T_FSDP, "    return placements == (Shard(0),) or placements == (Replicate(), Shard(0))",
+               "    return True"),
+        Mutant(T_FSDP, "            if not under_fsdp or not _placement_ok(p):",
+               "            if not _placement_ok(p):"),
     ],
 }
 

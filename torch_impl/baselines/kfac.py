@@ -52,6 +52,7 @@ from ..mkor.capture import Capture, weak_schedule
 from ..mkor.discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from ..mkor.distributed import Packet, world_size
+from ..mkor.fsdp import FullGradients, check_supported_sharding
 from ..mkor.layers import LayerType
 from ..mkor.wrapper import PreconditionedOptimizer
 from ..common.validation import check_choice, check_int, check_number
@@ -195,6 +196,7 @@ class KFAC(PreconditionedOptimizer):
         self.factor_init, self.factor_init_scale = factor_init, tuple(float(v) for v in scales)
         found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
         self._layers, self._skipped = found.layers, found.skipped
+        check_supported_sharding(unwrap_model(model), self._layers, "KFAC")
         # Factors are kept in the statistics' dtype: the weights' promoted with float32.
         self._dtype = (torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
                        if self._layers else torch.float32)
@@ -423,30 +425,36 @@ class KFAC(PreconditionedOptimizer):
         self._capture.reset()
         work = []
         for layer in self._layers:
-            s, w, b = self._state[layer.name], layer.module.weight, layer.module.bias
+            s, w = self._state[layer.name], layer.module.weight
             if "decomposed" not in s or w.grad is None:
                 continue
-            G_hat = layer.type.grad_matrix(layer.module).to(self._dtype)
+            grads = FullGradients(layer.module)  # FSDP2: the whole gradients (mkor.fsdp)
+            matrix = (layer.type.as_matrix(layer.module, grads.weight) if grads.sharded
+                      else layer.type.grad_matrix(layer.module))
+            G_hat = matrix.to(self._dtype)
             if layer.has_bias:
-                gb = b.grad if b.grad is not None else torch.zeros_like(b)
+                gb = grads.bias if grads.bias is not None else G_hat.new_zeros(layer.d_out)
                 G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(self._dtype)], dim=1)
-            work.append((layer, G_hat, self._apply(layer, s, G_hat)))
+            work.append((layer, grads, matrix, G_hat, self._apply(layer, s, G_hat)))
         nu = None
         if self.kl_clip is not None and work:
             lr = self.optimizer.param_groups[0]["lr"]
-            vg = torch.stack([(V * G).sum().to(work[0][2].device) for _, G, V in work]).sum()
+            vg = torch.stack([(V * G).sum().to(work[0][4].device) for *_, G, V in work]).sum()
             vg = (vg * lr ** 2).abs()
             # nu = 1 when the sum is 0 (nothing to clip); torch.where keeps it sync-free.
             nu = torch.where(vg > 0, (self.kl_clip / torch.where(vg > 0, vg, 1.0)).sqrt(), 1.0)
             nu = nu.clamp(max=1.0)
-        for layer, _, V in work:
+        for layer, grads, matrix, _, V in work:
             if nu is not None:
                 V = V * nu.to(V.device)
-            w, b = layer.module.weight, layer.module.bias
             d = layer.d_in - layer.has_bias
-            layer.type.set_grad_matrix(layer.module, V[:, :d].to(w.grad.dtype))
-            if layer.has_bias and b.grad is not None:
-                b.grad.copy_(V[:, -1])
+            if grads.sharded:
+                matrix.copy_(V[:, :d])
+            else:
+                layer.type.set_grad_matrix(layer.module, V[:, :d].to(matrix.dtype))
+            if layer.has_bias and grads.bias is not None:
+                grads.bias.copy_(V[:, -1])
+            grads.write_back()
         self._steps += 1
         self._step_scale = None
         self._capture.refresh()  # the hooks' gate for the next step

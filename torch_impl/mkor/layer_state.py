@@ -15,6 +15,7 @@ import torch
 
 from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
                       rescale)
+from .fsdp import FullGradients
 
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
 
@@ -129,21 +130,31 @@ def precondition_layer(layer, s, o, workspace=None):
     The weight matrix is read and written through the layer type (a transposed view for
     transformers' Conv1D). A bias without a gradient this step (frozen after discovery,
     or unused) takes part in the product as 0 but not in the rescale, so the rescaled
-    weight step has exactly the weight gradient's norm."""
+    weight step has exactly the weight gradient's norm. FSDP2-sharded gradients are
+    gathered whole, preconditioned, and written back to this rank's rows (:mod:`.fsdp`)."""
     module = layer.module
-    weight, bias = module.weight, module.bias
+    weight = module.weight
     if weight.grad is None:
         return
     if weight.grad.is_sparse:
         raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
-    matrix = layer.type.grad_matrix(module)
+    with FullGradients(module) as grads:
+        _precondition_gradients(layer, s, o, workspace, grads)
+
+
+def _precondition_gradients(layer, s, o, workspace, grads):
+    module = layer.module
+    if grads.sharded:
+        matrix = layer.type.as_matrix(module, grads.weight)
+    else:
+        matrix = layer.type.grad_matrix(module)
     cd = torch.promote_types(matrix.dtype, o.compute_dtype)
     grad_W = matrix.to(cd)
     grad_b = None
-    bias_grad = bias.grad if layer.has_bias else None
+    bias_grad = grads.bias if layer.has_bias else None
     if layer.has_bias:  # an unused bias still owns a column of R
         grad_b = (bias_grad.to(cd) if bias_grad is not None
-                  else torch.zeros(layer.d_out, dtype=cd, device=weight.device))
+                  else torch.zeros(layer.d_out, dtype=cd, device=grad_W.device))
     pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
     shape = (layer.d_out, layer.d_in - layer.has_bias)  # d_in counts the bias column
     work = None if workspace is None else workspace.views([shape, shape], pd, grad_W.device)
@@ -154,13 +165,16 @@ def precondition_layer(layer, s, o, workspace=None):
     if pd != cd:
         delta_W = delta_W.to(cd)
         delta_b = None if delta_b is None else delta_b.to(cd)
-    # No dtype cast and a view of .grad: write the result straight into it.
-    in_place = grad_W is matrix and (matrix is weight.grad or matrix._base is weight.grad)
+    # No dtype cast and a view of the gradient: write the result straight into it.
+    in_place = grad_W is matrix and (matrix is grads.weight or matrix._base is grads.weight)
     counted_b = bias_grad is not None
     delta_W, delta_b = rescale(delta_W, delta_b if counted_b else None, grad_W,
                                grad_b if counted_b else None, o.rescale,
                                out_W=matrix if in_place else None)
     if not in_place:
-        layer.type.set_grad_matrix(module, delta_W)
+        if grads.sharded:
+            matrix.copy_(delta_W)
+        else:
+            layer.type.set_grad_matrix(module, delta_W)
     if counted_b:
         bias_grad.copy_(delta_b)

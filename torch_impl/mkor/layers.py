@@ -60,9 +60,15 @@ class LayerType:
         """How many rows make one sample, given the rows' leading shape ``lead``."""
         return 1
 
+    def as_matrix(self, module, weight_like):
+        """A tensor shaped like ``module.weight`` as the (d_out, d_in) matrix, a *view* of it
+        (writing into the view writes the tensor). The gradient's layout: under FSDP2 the
+        preconditioner reads and writes the gathered whole gradient through it."""
+        raise NotImplementedError
+
     def grad_matrix(self, module):
         """``weight.grad`` as a (d_out, d_in) matrix, a view of it where the layout allows."""
-        raise NotImplementedError
+        return self.as_matrix(module, module.weight.grad)
 
     def set_grad_matrix(self, module, delta):
         """Write the (d_out, d_in) matrix ``delta`` into ``weight.grad``."""
@@ -86,8 +92,8 @@ class LinearType(LayerType):
     def grad_rows(self, module, g):
         return g
 
-    def grad_matrix(self, module):
-        return module.weight.grad
+    def as_matrix(self, module, weight_like):
+        return weight_like
 
 
 class Conv2dType(LayerType):
@@ -121,6 +127,9 @@ class Conv2dType(LayerType):
     def rows_per_sample(self, lead):
         return lead[-1]
 
+    def as_matrix(self, module, weight_like):
+        return weight_like.view(weight_like.shape[0], -1)
+
     def grad_matrix(self, module):
         return module.weight.grad.reshape(module.weight.shape[0], -1)
 
@@ -149,8 +158,8 @@ class HFConv1DType(LayerType):
     def grad_rows(self, module, g):
         return g
 
-    def grad_matrix(self, module):
-        return module.weight.grad.T
+    def as_matrix(self, module, weight_like):
+        return weight_like.T
 
 
 def conv_input(module, x):

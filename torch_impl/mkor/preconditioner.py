@@ -28,6 +28,7 @@ from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, world_size
 from .factors import RELEASED_THRESHOLD
+from .fsdp import check_supported_sharding
 from .hybrid import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
@@ -181,6 +182,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         self.process_group = process_group
         found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
         self._layers, self._skipped = found.layers, found.skipped
+        check_supported_sharding(unwrap_model(model), self._layers, "MKOR")
         warn_identity_sides("MKOR", self._layers, o.factor_dtype.itemsize)
         if not self._layers:
             warn_nothing_preconditioned("MKOR", self._skipped)

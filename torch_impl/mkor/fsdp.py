@@ -1,0 +1,129 @@
+r"""MKOR and K-FAC on FSDP2 (``fully_shard``) models: which sharding is supported, and the
+sharded gradient preconditioned exactly with replicated factors.
+
+Under FSDP2 a layer's forward and backward run on the *unsharded* weight, so the hooks see
+full-width input rows and output gradients of the rank's own batch: the statistics, and
+MKOR's O(d) all-reduce of (a_bar, g_bar), are exactly the DDP ones. What changes is the
+gradient: after the backward, ``weight.grad`` is a ``DTensor`` holding rows S_r of the
+(d_out, d_in') matrix on rank r (``Shard(0)``), and MKOR's
+
+.. math:: \Delta = L^{-1}\,[\nabla W \,|\, \nabla b]\,R^{-1}, \qquad
+          \Delta \leftarrow \frac{\|\hat G\|}{\|\Delta\|}\,\Delta
+
+needs every row of it: row block S_r of Delta is L^{-1}[S_r, :] Ĝ R^{-1}, a function of the
+*whole* Ĝ, and the rescale's norms are global. Factor placement here is **replicated**:
+every rank holds L^{-1} and R^{-1} (the factor updates, driven by the all-reduced vectors,
+are the same on every rank, as under DDP), gathers the whole gradient with one all-gather
+per layer per step (``full_tensor``), computes Delta and its norms locally (the same numbers
+on every rank: no further collective, and the stabiliser and the rescale see global norms by
+construction), and keeps its own rows. Bytes per step: each rank receives the rows it does
+not hold, (P-1)/P of the gradient, for every preconditioned layer; factor memory is the DDP
+one on every rank. An all-gather rather than a reduce of partial products because Delta's
+rows need whole rows of Ĝ R^{-1} and all of L^{-1}: gathering Ĝ moves d_out d_in' values,
+gathering Y = Ĝ_local R^{-1} would move the same, and the gathered Ĝ also gives the norms.
+
+Supported: parameters that are plain tensors, or DTensors placed by FSDP2 (a module of the
+model, or an ancestor of the layer, is an ``FSDPModule``) as ``Shard(0)`` on a 1-D mesh or
+``(Replicate(), Shard(0))`` on HSDP's 2-D mesh. Anything else (tensor parallel's
+``Shard(1)`` or a sharded activation, a DTensor no ``fully_shard`` placed) would give the
+hooks partial rows or the gradient a layout this module does not gather: it is refused at
+construction, naming the parameter, never trained with a wrong preconditioner.
+"""
+from ..common.sharding import is_dtensor
+
+__all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients"]
+
+SUPPORTED_PLACEMENTS = ("plain tensors, or FSDP2 fully_shard DTensors placed Shard(0) on a 1-D "
+                        "mesh or (Replicate(), Shard(0)) on an HSDP mesh")
+
+
+def _fsdp_roots(model):
+    """Names of the modules ``fully_shard`` was applied to ('' for the model itself)."""
+    import sys
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    if kind is None:
+        return []
+    return [name for name, module in model.named_modules() if isinstance(module, kind)]
+
+
+def _placement_ok(tensor):
+    from torch.distributed.tensor import Replicate, Shard
+    placements = tuple(tensor.placements)
+    return placements == (Shard(0),) or placements == (Replicate(), Shard(0))
+
+
+def check_supported_sharding(model, layers, owner):
+    """Raise ``ValueError`` naming the first preconditioned parameter whose sharding this
+    module cannot precondition exactly (see the module docstring)."""
+    roots = None
+    for layer in layers:
+        module = layer.module
+        params = [("weight", module.weight)] + (
+            [("bias", module.bias)] if getattr(module, "bias", None) is not None else [])
+        for kind, p in params:
+            if not is_dtensor(p):
+                continue
+            if roots is None:
+                roots = _fsdp_roots(model)
+            under_fsdp = any(r == "" or layer.name == r or layer.name.startswith(r + ".")
+                             for r in roots)
+            if not under_fsdp or not _placement_ok(p):
+                raise ValueError(
+                    f"{owner}: {layer.name}.{kind} is a DTensor with placements "
+                    f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh"
+                    f"{'' if under_fsdp else ' that no fully_shard placed'}; supported: "
+                    f"{SUPPORTED_PLACEMENTS} (tensor parallel and other shardings give the "
+                    f"hooks partial rows). Leave the layer out with skip_modules, or "
+                    f"shard it with fully_shard only.")
+            if kind == "weight" and type(layer.type).as_matrix is _base_as_matrix():
+                raise ValueError(
+                    f"{owner}: {layer.name}.weight is sharded by FSDP2 and its layer type "
+                    f"{layer.type.name!r} has no as_matrix(): define it (a (d_out, d_in) view "
+                    f"of a weight-shaped tensor) to precondition it under FSDP2")
+
+
+def _base_as_matrix():
+    from .layers import LayerType
+    return LayerType.as_matrix
+
+
+class FullGradients:
+    """The layer's whole weight and bias gradients while preconditioning, written back to
+    the rank's shards afterwards (plain gradients pass through untouched).
+
+    ``weight``, ``bias``: the gradients to read and write in place (the gathered whole
+    tensors for DTensor gradients, else ``.grad`` itself); ``sharded``: whether any was
+    gathered. Used as ``with FullGradients(module) as full: ...``; on an exception nothing
+    is written back."""
+
+    def __init__(self, module):
+        self._module = module
+        bias = getattr(module, "bias", None)
+        self._pairs = [(module.weight.grad, None),
+                       (None if bias is None else bias.grad, None)]
+        self.sharded = any(is_dtensor(g) for g, _ in self._pairs)
+        self.weight, self.bias = (g.full_tensor() if is_dtensor(g) else g
+                                  for g, _ in self._pairs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if kind is None:
+            self.write_back()
+        return False
+
+    def write_back(self):
+        """This rank's rows of the (preconditioned) whole gradients into its shards."""
+        for shard, full in zip((p for p, _ in self._pairs), (self.weight, self.bias)):
+            if is_dtensor(shard):
+                _write_rows(shard, full)
+
+
+def _write_rows(shard, full):
+    """This rank's part of ``full`` into the DTensor ``shard``'s local tensor."""
+    from torch.distributed.tensor import distribute_tensor
+    # src_data_rank=None: every rank already holds the same full tensor; just slice it.
+    mine = distribute_tensor(full, shard.device_mesh, shard.placements, src_data_rank=None)
+    shard.to_local().copy_(mine.to_local())
