@@ -33,6 +33,9 @@ VARIANTS = {
     "paper_switch": dict(kind="mkor", variant="paper", inv_freq=2, factor_dtype="float64",
                          switch_step=2),  # MKOR-H hands over on the same step everywhere
     "kfac": dict(kind="kfac", inv_freq=2, damping=1e-2),
+    # each sharded layer's factors on one rank: the owner gathers, preconditions, scatters
+    "paper_owner": dict(kind="mkor", variant="paper", inv_freq=1, factor_dtype="float64",
+                        stat_decay=0.8, factor_placement="owner"),
 }
 
 
@@ -74,6 +77,8 @@ def _train(model, options, rank=None, world=1):
         opt.zero_grad()
     out = {"params": [_full(p.detach()).clone() for p in model.parameters()]}
     if isinstance(pre, MKOR):
+        out["factor_bytes"] = sum(f.nbytes for pair in pre.inverse_factors().values()
+                                  for f in pair if f is not None)
         out["factors"] = {k: tuple(None if f is None else f.clone() for f in v)
                           for k, v in pre.inverse_factors().items()}
         out["switched"] = pre.switched
@@ -102,7 +107,7 @@ def _assert_close(result, reference, what):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=what)
     for layer, pair in reference.get("factors", {}).items():
         for a, b in zip(result["factors"][layer], pair):
-            if b is not None:
+            if b is not None and a is not None:  # None: a factor another rank owns
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=f"{what} {layer}")
 
 
@@ -121,6 +126,14 @@ def test_fsdp2_ranks_equal_one_process_on_the_whole_batch(ranks, name):
         assert all(r[name]["switched"] == reference["switched"] for r in results)
     if name == "paper_switch":
         assert reference["switched"]
+    if name == "paper_owner":  # every factor on exactly one rank; memory divided among them
+        for layer, pair in reference["factors"].items():
+            for side, b in enumerate(pair):
+                held = [r[name]["factors"][layer][side] is not None for r in results]
+                assert sum(held) == (b is not None), (layer, side, held)
+        per_rank = [r[name]["factor_bytes"] for r in results]
+        assert sum(per_rank) == reference["factor_bytes"]
+        assert max(per_rank) < reference["factor_bytes"]
 
 
 @pytest.mark.slow
@@ -210,6 +223,17 @@ def test_the_control_without_the_gather_is_wrong():
     property of any per-rank computation."""
     out = run(_local_rows_job, 2)
     assert all(isinstance(o, str) and o.startswith("error") for o in out), out
+
+
+def test_owners_are_balanced_and_deterministic():
+    """Greedy longest-first: the costliest layer to the least-loaded rank, ties to the lower
+    rank and, among equal costs, in layer order."""
+    from torch_impl.mkor.fsdp import assign_owners
+    costs = {"a": 49 + 25, "b": 4 + 49, "c": 9 + 4, "d": 16 + 9, "e": 9 + 16}
+    assert assign_owners(costs, 2) == {"a": 0, "b": 1, "d": 1, "e": 0, "c": 1}
+    assert assign_owners(costs, 3) == {"a": 0, "b": 1, "d": 2, "e": 2, "c": 2}
+    assert assign_owners(costs, 1) == dict.fromkeys(costs, 0)
+    assert assign_owners({"x": 1}, 4) == {"x": 0}  # ranks owning nothing are fine
 
 
 # -- unsupported sharding is refused, naming the parameter ------------------------------------

@@ -411,6 +411,14 @@ MUTANTS = {
                "    return True"),
         Mutant(T_FSDP, "            if not under_fsdp or not _placement_ok(p):",
                "            if not _placement_ok(p):"),
+        # owner placement: every layer to rank 0; the wrong rows sent back; every rank keeping
+        # every factor
+        Mutant(T_FSDP, "        rank = min(range(world), key=lambda r: (load[r], r))",
+               "        rank = min(range(world), key=lambda r: (r, load[r]))"),
+        Mutant(T_FSDP, "                    out[r][:n] = full[r * chunk:r * chunk + n]",
+               "                    out[r][:n] = full[:n]"),
+        Mutant(T_P, "        return torch.distributed.get_rank(group) == rank",
+               "        return True"),
     ],
 }
 

@@ -48,6 +48,7 @@ _CHOICES = {
     "average": ("once", "double"),
     "hybrid_switch": (None, "loss_rate"),
     "grad_hook": ("module", "tensor"),
+    "factor_placement": ("replicated", "owner"),
 }
 
 
@@ -93,6 +94,7 @@ class MKOROptions:
     switch_step: int
     max_factor_dim: int
     token_mask: str
+    factor_placement: str
 
     def __post_init__(self):
         check_choice("variant", self.variant, _CHOICES["variant"])

@@ -22,6 +22,15 @@ one on every rank. An all-gather rather than a reduce of partial products becaus
 rows need whole rows of Ĝ R^{-1} and all of L^{-1}: gathering Ĝ moves d_out d_in' values,
 gathering Y = Ĝ_local R^{-1} would move the same, and the gathered Ĝ also gives the norms.
 
+**Owner-per-layer** factors (``factor_placement="owner"``): each sharded layer's factors live
+on one rank of the gradient's mesh, chosen by :func:`assign_owners` (greedy longest-first on
+the factor entries d_out^2 + d_in'^2, ties to the lower rank: deterministic, the same on every
+rank). The owner alone updates them (the vectors are still all-reduced, O(d)), and each step
+:class:`OwnerGradients` gathers the layer's gradient rows to the owner (``gather``), which
+preconditions the whole gradient and sends each rank its rows back (``scatter``): two
+gradient-sized moves that touch only the owner's link, and factor memory divided by the world
+size. Layers whose gradients are plain tensors keep replicated factors.
+
 Supported: parameters that are plain tensors, or DTensors placed by FSDP2 (a module of the
 model, or an ancestor of the layer, is an ``FSDPModule``) as ``Shard(0)`` on a 1-D mesh or
 ``(Replicate(), Shard(0))`` on HSDP's 2-D mesh. Anything else (tensor parallel's
@@ -31,7 +40,13 @@ construction, naming the parameter, never trained with a wrong preconditioner.
 """
 from ..common.sharding import is_dtensor
 
-__all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients"]
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
+           "assign_owners", "owner_map"]
 
 SUPPORTED_PLACEMENTS = ("plain tensors, or FSDP2 fully_shard DTensors placed Shard(0) on a 1-D "
                         "mesh or (Replicate(), Shard(0)) on an HSDP mesh")
@@ -127,3 +142,90 @@ def _write_rows(shard, full):
     # src_data_rank=None: every rank already holds the same full tensor; just slice it.
     mine = distribute_tensor(full, shard.device_mesh, shard.placements, src_data_rank=None)
     shard.to_local().copy_(mine.to_local())
+
+
+def assign_owners(costs, world):
+    """{name: rank} for ``costs`` ({name: cost}, in layer order): the costliest first, each to
+    the least-loaded rank (ties: the lower rank; equal costs keep the layer order)."""
+    load = [0] * world
+    owners = {}
+    for name in sorted(costs, key=lambda n: -costs[n]):  # a stable sort: ties keep the order
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += costs[name]
+    return owners
+
+
+def owner_map(layers, placement, owner):
+    """{layer name: (owning rank, process group)} for the layers whose factors live on one
+    rank (``placement == "owner"``: the FSDP2-sharded ones, on their 1-D mesh); {} otherwise."""
+    if placement != "owner":
+        return {}
+    sharded = [l for l in layers if is_dtensor(l.module.weight)]
+    if not sharded:
+        return {}
+    mesh = sharded[0].module.weight.device_mesh  # each fully_shard call may build its own
+    if mesh.ndim != 1 or any(l.module.weight.device_mesh != mesh for l in sharded):
+        raise ValueError(f"{owner}: factor_placement='owner' needs every sharded layer on one "
+                         f"1-D mesh (FSDP2 without HSDP); use factor_placement='replicated'")
+    costs = {l.name: (0 if l.identity_L else l.d_out ** 2) + (0 if l.identity_R else l.d_in ** 2)
+             for l in sharded}
+    group = mesh.get_group()
+    return {name: (rank, group) for name, rank in assign_owners(costs, mesh.size()).items()}
+
+
+class OwnerGradients:
+    """Like :class:`FullGradients` for a layer whose factors one rank owns: the owner gets
+    the whole gradients (``weight``, ``bias``; None elsewhere) by one ``gather`` each, and
+    ``write_back`` sends every rank its rows of them (one ``scatter`` each)."""
+
+    sharded = True
+
+    def __init__(self, module, owner, group):
+        self._owner, self._group = owner, group
+        bias = getattr(module, "bias", None)
+        self._shards = [module.weight.grad, None if bias is None else bias.grad]
+        self.is_owner = dist.get_rank(group) == owner
+        self.weight, self.bias = (None if g is None else self._gather(g) for g in self._shards)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if kind is None:
+            self.write_back()
+        return False
+
+    def _layout(self, shard):
+        world = dist.get_world_size(self._group)
+        rows = shard.shape[0]
+        chunk = math.ceil(rows / world)  # Shard(0)'s split: torch.chunk's, the last ones short
+        counts = [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+        return chunk, counts
+
+    def _gather(self, shard):
+        chunk, counts = self._layout(shard)
+        local = shard.to_local()
+        padded = local.new_zeros((chunk,) + tuple(shard.shape[1:]))
+        padded[:local.shape[0]] = local
+        into = [torch.empty_like(padded) for _ in counts] if self.is_owner else None
+        dist.gather(padded, into, dst=dist.get_global_rank(self._group, self._owner),
+                    group=self._group)
+        return torch.cat([g[:n] for g, n in zip(into, counts)]) if self.is_owner else None
+
+    def write_back(self):
+        """Every rank's rows of the owner's (preconditioned) whole gradients."""
+        for shard, full in zip(self._shards, (self.weight, self.bias)):
+            if shard is None:
+                continue
+            chunk, counts = self._layout(shard)
+            local = shard.to_local()
+            mine = local.new_empty((chunk,) + tuple(shard.shape[1:]))
+            out = None
+            if self.is_owner:
+                out = [full.new_zeros(mine.shape) for _ in counts]
+                for r, n in enumerate(counts):
+                    out[r][:n] = full[r * chunk:r * chunk + n]
+            dist.scatter(mine, out, src=dist.get_global_rank(self._group, self._owner),
+                         group=self._group)
+            local.copy_(mine[:local.shape[0]])

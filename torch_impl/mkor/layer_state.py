@@ -15,14 +15,15 @@ import torch
 
 from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
                       rescale)
-from .fsdp import FullGradients
+from .fsdp import FullGradients, OwnerGradients
 
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
 
 
-def initial_layer_state(layer, factor_dtype):
+def initial_layer_state(layer, factor_dtype, factors=True):
     """Identity factors and zero counters on the layer's device; a side the size guard
-    leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no factor."""
+    leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no factor, and
+    neither does a layer whose factors another rank owns (``factors=False``)."""
     dev = layer.module.weight.device
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     false = torch.zeros((), dtype=torch.bool, device=dev)
@@ -30,9 +31,9 @@ def initial_layer_state(layer, factor_dtype):
              "reset_a": false.clone(), "reset_g": false.clone(),
              "non_finite": zero.clone(), "overflow": zero.clone(), "no_rows": zero.clone(),
              "fired": zero.clone()}
-    if not layer.identity_L:
+    if factors and not layer.identity_L:
         state["L_inv"] = torch.eye(layer.d_out, dtype=factor_dtype, device=dev)
-    if not layer.identity_R:
+    if factors and not layer.identity_R:
         state["R_inv"] = torch.eye(layer.d_in, dtype=factor_dtype, device=dev)
     return state
 
@@ -124,22 +125,25 @@ def _any_needs_stabilising(factors, threshold):
     return flags[0] | flags[1] if len(flags) == 2 else flags[0]
 
 
-def precondition_layer(layer, s, o, workspace=None):
+def precondition_layer(layer, s, o, workspace=None, owner=None):
     """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place.
     ``workspace``: a :class:`Workspace` lending the two GEMM outputs (none allocated).
     The weight matrix is read and written through the layer type (a transposed view for
     transformers' Conv1D). A bias without a gradient this step (frozen after discovery,
     or unused) takes part in the product as 0 but not in the rescale, so the rescaled
     weight step has exactly the weight gradient's norm. FSDP2-sharded gradients are
-    gathered whole, preconditioned, and written back to this rank's rows (:mod:`.fsdp`)."""
+    gathered whole, preconditioned, and written back to this rank's rows (:mod:`.fsdp`);
+    with an ``owner`` (rank, group), only that rank gathers and preconditions them."""
     module = layer.module
     weight = module.weight
     if weight.grad is None:
         return
     if weight.grad.is_sparse:
         raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
-    with FullGradients(module) as grads:
-        _precondition_gradients(layer, s, o, workspace, grads)
+    gradients = FullGradients(module) if owner is None else OwnerGradients(module, *owner)
+    with gradients as grads:
+        if grads.weight is not None:  # None: another rank owns and computes this layer
+            _precondition_gradients(layer, s, o, workspace, grads)
 
 
 def _precondition_gradients(layer, s, o, workspace, grads):

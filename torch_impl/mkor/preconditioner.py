@@ -28,7 +28,7 @@ from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, world_size
 from .factors import RELEASED_THRESHOLD
-from .fsdp import check_supported_sharding
+from .fsdp import check_supported_sharding, owner_map
 from .hybrid import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
@@ -138,6 +138,11 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             (``output.loss``, as transformers models return), and warns once if a step
             brings none; reading is batched (one sync per ``switch_check_every`` steps).
         switch_step: switch to the backbone for good at step k (MKOR-H).
+        factor_placement: under FSDP2, where the factors of a sharded layer live:
+            "replicated" (default: on every rank; each step gathers the layer's gradient
+            whole on every rank) or "owner" (on one rank per layer, balanced by factor
+            size: factor memory divided by the world size; the owner gathers the
+            gradient, preconditions it and scatters the rows back). :mod:`.fsdp`.
         process_group: process group for averaging vectors (default: the world).
         comm_overlap: launch the vector all-reduce asynchronously as soon as a backward
             pass has reached every captured layer, instead of in :meth:`step` (same
@@ -163,8 +168,8 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                  skip_modules=(), grad_hook="tensor", hybrid_switch=None,
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, max_factor_dim=8192,
-                 token_mask="attention_mask", grad_scaler=None, process_group=None,
-                 comm_overlap=False):
+                 token_mask="attention_mask", factor_placement="replicated", grad_scaler=None,
+                 process_group=None, comm_overlap=False):
         self._bind(model, optimizer, grad_scaler)
         self.options = o = MKOROptions(
             inv_freq=inv_freq, stat_decay=stat_decay, variant=variant, zeta=zeta,
@@ -177,12 +182,14 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             skip_modules=skip_modules, grad_hook=grad_hook, hybrid_switch=hybrid_switch,
             switch_window=switch_window, switch_check_every=switch_check_every,
             switch_threshold=switch_threshold, switch_patience=switch_patience,
-            switch_step=switch_step, max_factor_dim=max_factor_dim, token_mask=token_mask)
+            switch_step=switch_step, max_factor_dim=max_factor_dim, token_mask=token_mask,
+            factor_placement=factor_placement)
         check_bool("comm_overlap", comm_overlap)
         self.process_group = process_group
         found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
         self._layers, self._skipped = found.layers, found.skipped
         check_supported_sharding(unwrap_model(model), self._layers, "MKOR")
+        self._owners = owner_map(self._layers, o.factor_placement, "MKOR")
         warn_identity_sides("MKOR", self._layers, o.factor_dtype.itemsize)
         if not self._layers:
             warn_nothing_preconditioned("MKOR", self._skipped)
@@ -254,7 +261,15 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
 
     # -- state --------------------------------------------------------------------------
     def _initial_state(self, layer):
-        return initial_layer_state(layer, self.options.factor_dtype)
+        return initial_layer_state(layer, self.options.factor_dtype,
+                                   factors=self._owns(layer.name))
+
+    def _owns(self, name):
+        """Whether this rank keeps ``name``'s factors (always, unless another rank owns them)."""
+        if name not in self._owners:
+            return True
+        rank, group = self._owners[name]
+        return torch.distributed.get_rank(group) == rank
 
     def preconditioner_state_dict(self):
         """MKOR's own state: factors and counters (by module name), step count, switch
@@ -395,8 +410,10 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
 
     def _update_factors(self):
         for layer, a_bar, g_bar, present in self._vectors():
-            update_layer_factors(self._state[layer.name], a_bar, g_bar, present, self.options,
-                                 self._workspace)
+            if self._owns(layer.name):  # the owner alone updates an owned layer's factors
+                update_layer_factors(self._state[layer.name], a_bar, g_bar, present,
+                                     self.options, self._workspace)
 
     def _precondition_layer(self, layer):
-        precondition_layer(layer, self._state[layer.name], self.options, self._workspace)
+        precondition_layer(layer, self._state[layer.name], self.options, self._workspace,
+                           self._owners.get(layer.name))
