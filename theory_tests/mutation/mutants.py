@@ -25,6 +25,7 @@ T_TM = "torch_impl/mkor/token_masks.py"
 T_EC = "torch_impl/mkor/eager_capture.py"
 T_HO = "torch_impl/mkor/hook_objects.py"
 T_FSDP = "torch_impl/mkor/fsdp.py"
+_REFUSALS = '    def __reduce_ex__(self, protocol, /):\n        self._refuse_copy()\n\n    def __reduce__(self, /):\n        self._refuse_copy()\n\n    def __getstate__(self):\n        self._refuse_copy()\n\n    __copy__ = __deepcopy__ = _refuse_copy'
 T_KC = "torch_impl/baselines/kfac_conventions.py"
 R_FO, T_LAMB = "reference/baselines/first_order.py", "torch_impl/baselines/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
@@ -341,8 +342,8 @@ MUTANTS = {
         Mutant(T_LAMB, "        torch._foreach_add_(denom, eps)", "        torch._foreach_add_(denom, 2 * eps)"),
     ],
     "PORT-COPY": [
-        Mutant(T_W, "    __reduce_ex__ = __reduce__ = __getstate__ = __copy__ = __deepcopy__ = _refuse_copy",
-               "    __copy__ = _refuse_copy"),
+        # every refusal but copy.copy's gone (deepcopy and pickle fall through to object's)
+        Mutant(T_W, _REFUSALS, "    __copy__ = _refuse_copy"),
         Mutant(T_HO, "        return InertHook()", "        return self"),
         Mutant(T_HO, "    def __reduce__(self):", "    def _reduce_unused(self):"),
         Mutant(T_C, "            hooks.append((module, \"backward\", BoundHook(self._module_backward, layer)))",

@@ -21,6 +21,7 @@ T_F, T_FN, T_OPS = "torch_impl/mars/mars_equations.py", "torch_impl/mars/functio
 T_MARS, T_EX, T_NS = "torch_impl/mars/mars.py", "torch_impl/mars/exact_mode.py", "torch_impl/common/matrix_functions.py"
 T_MF, T_MM = "torch_impl/mars/mars_m_equations.py", "torch_impl/mars/mars_m.py"
 T_C, T_MC = "torch_impl/mars/mars_compiled.py", "torch_impl/mars/mars_m_compiled.py"
+T_SH = "torch_impl/common/sharding.py"
 
 _CO = "theory_tests/mars/test_compiled_options.py::"
 COMPILED_MARS = (_CO + "test_compiled_mars_option_equals_the_single_tensor_loop",)
@@ -305,6 +306,39 @@ MARS_MUTANTS = {
         Mutant(T_MM, "    check_torch_flags(\"MARSM\", g)", "    pass"),
         Mutant("torch_impl/baselines/lamb.py", "    check_torch_flags(\"LAMB\", group)", "    pass"),
         Mutant("torch_impl/baselines/lamb.py", "            _check_group({**self.defaults, **param_group})", "            pass"),
+    ],
+    "PORT-DCP": [
+        # torch's keyword call load_state_dict(state_dict=...) (DCP's) refused
+        Mutant(T_MARS, "    def load_state_dict(self, state_dict):", "    def load_state_dict(self, state_dict, /):"),
+        Mutant(T_MM, "    def load_state_dict(self, state_dict):", "    def load_state_dict(self, state_dict, /):"),
+        # a loaded checkpoint's group values overwritten by the defaults
+        Mutant(T_MARS, "                group.setdefault(key, value)", "                group[key] = value"),
+        Mutant(T_MM, "                group.setdefault(key, value)", "                group[key] = value"),
+        # LAMB's step no longer torch's
+        Mutant("torch_impl/baselines/lamb.py", "    def step(self, closure=None):", "    def step(self, closure):"),
+        # MKOR's / K-FAC's state not carried where DCP keeps it, or not taken back from there
+        Mutant("torch_impl/mkor/wrapper.py", "            first = dict(state[\"param_groups\"][0], **{self._state_key: own})",
+               "            first = dict(state[\"param_groups\"][0])"),
+        Mutant("torch_impl/mkor/wrapper.py", "            own = carried if own is None else own", "            own = own"),
+    ],
+    "PORT-FSDP2-ORTHOGONALISE": [
+        # the owner map differs between ranks
+        Mutant(T_SH, "    owners = assign_owners([ns_flops(*lay.shape) for lay in layouts], world)",
+               "    owners = [(o + rank) % world for o in assign_owners([ns_flops(*lay.shape) for lay in layouts], world)]"),
+        # each rank sent another rank's rows back
+        Mutant(T_SH, "        [[layouts[j].piece(out, dst) for j, out in zip(mine, outs)] for dst in range(world)],",
+               "        [[layouts[j].piece(out, (dst + 1) % world) for j, out in zip(mine, outs)] for dst in range(world)],"),
+        # the uneven split off by one
+        Mutant(T_SH, "    chunk = -(-n // world_size)", "    chunk = n // world_size"),
+        # the shards joined in the wrong order
+        Mutant(T_SH, "        full = torch.cat([received[src][k] for src in range(world)], dim=layouts[j].dim)",
+               "        full = torch.cat([received[src][k] for src in reversed(range(world))], dim=layouts[j].dim)"),
+        # MARS's owner mode silently every-rank; MARS-M's modes swapped
+        Mutant(T_FN, '    deferred = [] if orthogonalize_on == "owner" else None', "    deferred = None"),
+        Mutant(T_FN, '    if orthogonalize_on == "owner":  # sharded matrices: each NS once, on its owner rank',
+               '    if orthogonalize_on != "owner":  # sharded matrices: each NS once, on its owner rank'),
+        # the precomputed direction ignored
+        Mutant(T_F, "    if direction is None:", "    if True:"),
     ],
     "PORT-HYPERPARAMETERS": [
         # the constructor's threshold dropped on the way to MKOROptions

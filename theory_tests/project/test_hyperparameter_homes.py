@@ -142,7 +142,8 @@ def _switch(**kw):
 
 BAD = [
     (_mars, "gamma", 1.5), (_mars, "eps", -1.0), (_mars, "betas", (0.9,)),
-    (_mars, "mars_type", "adam"), (_marsm, "momentum", 1.0), (_marsm, "ns_steps", 0),
+    (_mars, "mars_type", "adam"), (_mars, "orthogonalize_on", "owners"),
+    (_marsm, "orthogonalize_on", None), (_marsm, "momentum", 1.0), (_marsm, "ns_steps", 0),
     (_mkor, "inv_freq", 0), (_mkor, "stat_decay", 1.0), (_mkor, "zeta", 1.5),
     (_mkor, "threshold", 0.0), (_mkor, "threshold", float("inf")), (_mkor, "variant", "new"),
     (_mkor, "switch_threshold", float("nan")), (_mkor, "grad_scale", -2.0),

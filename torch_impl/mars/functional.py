@@ -5,7 +5,16 @@ CPU step counters, routes) and every hyperparameter as a keyword; they update ev
 place.  The ``Optimizer`` classes only gather those lists from their groups and call these.
 Each dispatches to a single-tensor loop, the multi-tensor (foreach) kernels or the compiled
 kernels; all three run the same equation functions (``mars_equations``, ``mars_m_equations``).
+
+Sharded matrices (FSDP2 ``DTensor``): ``orthogonalize_on="owner"`` (default) runs each
+Newton-Schulz / SVD of a call once, on an owner rank, all of them in one exchange per call
+(``common.sharding.orthogonalize_on_owners``); ``"every_rank"`` all-gathers each matrix on
+every rank and runs every orthogonalisation everywhere (``sharding.on_full_matrix``). Both
+give the same numbers; plain tensors are unaffected. The compiled MARS-M kernels
+(``compiled=True``) fuse Newton-Schulz into each matrix's kernel and keep ``"every_rank"``.
 """
+import functools
+
 import torch
 
 from . import mars_compiled
@@ -15,7 +24,9 @@ from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
                                 efficient_argument, efficient_buffer_, mars_m_direction,
                                 mars_m_momentum_, mars_m_step_, match_rms_scale,
                                 resolve_hyperparameters)
+from ..common.sharding import ORTHOGONALIZE_ON, orthogonalize_on_owners, owner_eligible
 from ..common.tensor_ops import FOREACH, SINGLE
+from ..common.validation import check_choice
 
 __all__ = ["mars", "mars_m", "corrected_norms", "default_foreach"]
 
@@ -38,7 +49,7 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
          weight_decay_1d, weight_decay_1d_source="constructor", clip_scope="tensor",
          orthogonalizer="newton_schulz", ns_steps=5, ns_dtype=torch.bfloat16,
          shampoo_scales=None, maximize=False, foreach=None, compiled=False,
-         write_last_grad=True, global_clip_norm=None):
+         write_last_grad=True, global_clip_norm=None, orthogonalize_on="owner"):
     r"""One MARS step (M1-M14) over parallel lists; see ``torch_impl.MARS`` for the algorithm.
 
     ``kinds[i]`` is ``mars_equations.route(...)`` of tensor i; ``exp_avg_sqs`` /
@@ -47,7 +58,10 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     the raw g_t for the next step; exact mode leaves c~_t (the caller refills ``last_grad``).
     ``global_clip_norm``: the joint norm when it spans more than these tensors (else computed
     here).  ``shampoo_scales[i]`` overrides s for a Shampoo matrix (``None``: from its shape).
+    ``orthogonalize_on``: ``"owner"`` or ``"every_rank"``, where a sharded (DTensor) Shampoo
+    matrix is orthogonalised (module docstring); a collective for sharded matrices.
     """
+    check_choice("orthogonalize_on", orthogonalize_on, ORTHOGONALIZE_ON)
     if not params:
         return
     hypers = {kind: F.resolve_hyperparameters(
@@ -79,8 +93,11 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     if foreach is None:
         foreach = default_foreach(params)
     run = _multi_tensor_mars if foreach else _single_tensor_mars
+    deferred = [] if orthogonalize_on == "owner" else None
     run(buffers, state_steps, kinds, hypers, clip_scope, global_clip_norm, write_last_grad,
-        shampoo, shampoo_scales)
+        shampoo, shampoo_scales, deferred)
+    if deferred:
+        _owner_shampoo_steps_(deferred, shampoo)
 
 
 def _take(xs, idx):
@@ -88,7 +105,7 @@ def _take(xs, idx):
 
 
 def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo,
-                        scales):
+                        scales, deferred=None):
     """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
     for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
         h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
@@ -104,14 +121,15 @@ def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last,
             F.lion_rule_(p, c, m, h, SINGLE)
         elif kind == F.SHAMPOO:
             F.momentum_(m, c, h.beta1, SINGLE)
-            F.shampoo_step_(p, m, h, scale=scale, **shampoo)
+            _shampoo_step_(p, m, h, scale, shampoo, deferred)
         else:
             F.adamw_rule_(p, c, m, v, v_max, h, SINGLE)
         if write_last:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
             last.copy_(g)
 
 
-def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo, scales):
+def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo, scales,
+                       deferred=None):
     """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
     dtype) bucket."""
     buckets = {}
@@ -133,24 +151,49 @@ def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, 
         elif kind == F.SHAMPOO:  # the orthogonalizer is a matrix function: one call per tensor
             F.momentum_(ms, cs, h.beta1, FOREACH)
             for i, p, m in zip(idx, ps, ms):
-                F.shampoo_step_(p, m, h, scale=scales[i], **shampoo)
+                _shampoo_step_(p, m, h, scales[i], shampoo, deferred)
         else:
             F.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h, FOREACH)
         if write_last:
             FOREACH.copy_(lasts, gs)
 
 
+def _shampoo_step_(p, m, h, scale, shampoo, deferred):
+    """(M12) now, or -- a sharded matrix in owner mode (``deferred`` is a list) -- later, with
+    every other such matrix of the call, in one owner-rank exchange (``_owner_shampoo_steps_``).
+    The update of p needs only its own m, so the order of the tensors does not matter."""
+    if deferred is not None and owner_eligible(m):
+        deferred.append((p, m, h, scale))
+    else:
+        F.shampoo_step_(p, m, h, scale=scale, **shampoo)
+
+
+def _owner_shampoo_steps_(deferred, shampoo):
+    """(M11)-(M13) for the deferred matrices: each O(m / (1 - beta1)) on its owner rank
+    (``sharding.orthogonalize_on_owners``), then every rank's update of its own shards.
+    beta1 and eps are the route's (one ``Hyper`` per call; bias corrections do not enter)."""
+    h = deferred[0][2]
+    direction = functools.partial(F.shampoo_direction, beta1=h.beta1, eps=h.eps, **shampoo)
+    directions = orthogonalize_on_owners(direction, [m for _, m, _, _ in deferred])
+    for (p, m, h, scale), d in zip(deferred, directions):
+        F.shampoo_step_(p, m, h, scale=scale, direction=d, **shampoo)
+
+
 def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, state_steps,
            kinds, *, lr, weight_decay, momentum, gamma, ns_steps=5, ns_dtype=torch.bfloat16,
            clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
-           maximize=False, foreach=None, compiled=False, write_last_grad=True):
+           maximize=False, foreach=None, compiled=False, write_last_grad=True,
+           orthogonalize_on="owner"):
     r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
 
     ``kinds[i]``: "mars_m", "mars_m_efficient" or "adamw".  Buffers that a kind does not keep
     are ``None``.  ``shape_scales[i]`` overrides 0.2 sqrt(max(A, B)) (``None``: p's shape).
     ``state_steps`` (CPU tensors) are incremented here.  ``compiled``: one
     ``torch.compile``d call per tensor (``mars_m_compiled``), the same equations.
+    ``orthogonalize_on``: ``"owner"`` or ``"every_rank"``, where a sharded (DTensor) matrix's
+    Newton-Schulz runs (module docstring); a collective for sharded matrices.
     """
+    check_choice("orthogonalize_on", orthogonalize_on, ORTHOGONALIZE_ON)
     if not params:
         return
     hypers = {kind: resolve_hyperparameters(kind, lr=lr, weight_decay=weight_decay,
@@ -179,10 +222,11 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
             _mars_m_backup(rows, hypers[kind], foreach)
         else:
             _mars_m_matrices(rows, hypers[kind], kind, clip_c, ns_steps, ns_dtype, foreach,
-                             write_last_grad)
+                             write_last_grad, orthogonalize_on)
 
 
-def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_last):
+def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_last,
+                     orthogonalize_on="owner"):
     ps, gs, bufs, lasts = ([r[i] for r in rows] for i in range(4))
     if kind == EFFICIENT:
         if foreach:
@@ -195,10 +239,15 @@ def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_las
         args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)
     else:
         args = [mars_m_momentum_(b, g, last, h, clip, SINGLE) for b, g, last in zip(bufs, gs, lasts)]
-    for p, m, r in zip(ps, args, rows):  # Newton-Schulz: one matrix function per matrix
+    live = [(p, m, r) for p, m, r in zip(ps, args, rows) if p.numel()]
+    owned = [None] * len(live)
+    if orthogonalize_on == "owner":  # sharded matrices: each NS once, on its owner rank
+        direction = functools.partial(mars_m_direction, ns_steps=ns_steps, ns_dtype=ns_dtype)
+        owned = orthogonalize_on_owners(direction, [m for _, m, _ in live], out_dtype=ns_dtype)
+    for (p, m, r), o in zip(live, owned):  # Newton-Schulz: one matrix function per matrix
         scale = match_rms_scale(p.shape) if r[8] is None else r[8]
-        if p.numel():
-            mars_m_step_(p, mars_m_direction(m, ns_steps, ns_dtype), h._replace(scale=scale))
+        o = mars_m_direction(m, ns_steps, ns_dtype) if o is None else o
+        mars_m_step_(p, o, h._replace(scale=scale))
     if write_last and kind == MATRIX:  # the raw g_t, copied (never an alias of p.grad)
         if foreach:
             FOREACH.copy_(lasts, gs)

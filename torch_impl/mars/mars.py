@@ -7,6 +7,7 @@ from torch.optim import Optimizer
 from . import exact_mode
 from . import functional
 from . import mars_equations as F
+from ..common.sharding import ORTHOGONALIZE_ON
 from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
     check_number as _check_number, check_torch_flags as _check_torch_flags
@@ -105,6 +106,12 @@ class MARS(Optimizer):
             matrix.  MARS-Shampoo's s = sqrt(max(1, A/B)) is taken from the true (out, in)
             shape, so give a group of transformers ``Conv1D`` weights (stored in x out)
             ``shape_layout="in_out"``.
+        orthogonalize_on: where a sharded (FSDP2 / DTensor) MARS-Shampoo matrix is
+            orthogonalised: ``"owner"`` (default: each matrix once, on one owner rank chosen
+            by greedy longest-first on its Newton-Schulz flops; two ``all_to_all`` per step
+            and group) or ``"every_rank"`` (all-gather each matrix; every rank runs every
+            orthogonalisation). Same result; plain tensors are unaffected
+            (``torch_impl/common/sharding.py``).
         fused (None or False), capturable (False), differentiable (False): accepted, as other
             ``torch.optim`` optimizers take them (torchtitan passes ``fused`` and ``foreach``),
             and stored in every group; ``True`` raises a ValueError naming the keyword, in the
@@ -133,7 +140,8 @@ class MARS(Optimizer):
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
                  state_dtype=None, maximize=False, foreach=None, compiled=False,
-                 shape_layout="out_in", fused=None, capturable=False, differentiable=False):
+                 shape_layout="out_in", orthogonalize_on="owner", fused=None, capturable=False,
+                 differentiable=False):
         lr_value = _lr_value(lr)
         _check_number("lr_1d", lr_1d, low=0.0)
         if lr_value == 0.0 and lr_1d != 0.0:
@@ -148,7 +156,8 @@ class MARS(Optimizer):
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, maximize=maximize, foreach=foreach,
-                        compiled=compiled, shape_layout=shape_layout, fused=fused,
+                        compiled=compiled, shape_layout=shape_layout,
+                        orthogonalize_on=orthogonalize_on, fused=fused,
                         capturable=capturable, differentiable=differentiable)
         _check_torch_flags("MARS", defaults)  # every group is checked again (add_param_group)
         super().__init__(params, defaults)
@@ -252,7 +261,7 @@ class MARS(Optimizer):
                 ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"],
                 maximize=group["maximize"], foreach=group["foreach"],
                 compiled=group["compiled"], write_last_grad=not exact, global_clip_norm=total,
-                shampoo_scales=w.scales)
+                shampoo_scales=w.scales, orthogonalize_on=group["orthogonalize_on"])
             for stored, working in w.write_back:  # computed in a wider dtype than stored
                 stored.copy_(working)
         return loss
@@ -412,6 +421,7 @@ def _validate_group(g):
     _check_choice("weight_decay_1d_source", g["weight_decay_1d_source"], WEIGHT_DECAY_1D_SOURCES)
     _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
+    _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     if g["state_dtype"] is not None:
         _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode

@@ -210,12 +210,15 @@ def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
     return newton_schulz(scaled, steps=ns_steps, eps=eps, dtype=ns_dtype)
 
 
-def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None):
+def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None, direction=None):
     r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1)); ``scale`` overrides s = s(p.shape)
-    (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape)."""
+    (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape).
+    ``direction``: O(m / (1 - beta1)) when already computed (``functional``'s owner-rank
+    orthogonalisation of sharded matrices, ``sharding.orthogonalize_on_owners``)."""
     if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
         return
-    direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
+    if direction is None:
+        direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
     SINGLE.decay_(p, h.lr, h.weight_decay)
     p.add_(direction, alpha=-h.lr * (shape_scale(p.shape) if scale is None else scale))
 

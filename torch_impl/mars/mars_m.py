@@ -8,6 +8,7 @@ from torch.optim import Optimizer
 from . import exact_mode
 from . import mars_m_equations as M
 from .functional import mars_m
+from ..common.sharding import ORTHOGONALIZE_ON
 from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
 
 RULES = ("auto", "mars_m", "adamw")
@@ -57,6 +58,11 @@ class MARSM(Optimizer):
         shape_layout: ``"out_in"`` or ``"in_out"`` (transformers' ``Conv1D``): the scale
             0.2 sqrt(max(A, B)) is symmetric, so this only documents the layout; kept for
             symmetry with ``MARS``.
+        orthogonalize_on: where a sharded (FSDP2 / DTensor) matrix is orthogonalised:
+            ``"owner"`` (default: each matrix once, on one owner rank chosen by greedy
+            longest-first on its Newton-Schulz flops; two ``all_to_all`` per step and group)
+            or ``"every_rank"`` (all-gather each matrix; every rank runs every one). Same
+            result; plain tensors are unaffected; ``compiled=True`` keeps ``"every_rank"``.
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
         compiled (bool): one ``torch.compile``d call per tensor (``mars_m_compiled.py``; the
             same equation functions), fusing the correction with Newton-Schulz and the update.
@@ -82,12 +88,13 @@ class MARSM(Optimizer):
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
                  shape_layout="out_in", maximize=False, foreach=None, compiled=False,
-                 fused=None, capturable=False, differentiable=False):
+                 orthogonalize_on="owner", fused=None, capturable=False, differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                         gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
                         shape_layout=shape_layout, maximize=maximize, foreach=foreach,
-                        compiled=compiled, fused=fused, capturable=capturable,
+                        compiled=compiled, orthogonalize_on=orthogonalize_on, fused=fused,
+                        capturable=capturable,
                         differentiable=differentiable)
         check_torch_flags("MARSM", defaults)  # every group is checked again (add_param_group)
         super().__init__(params, defaults)
@@ -152,7 +159,7 @@ class MARSM(Optimizer):
                    clip_c=group["clip_c"], adamw_betas=group["adamw_betas"],
                    adamw_eps=group["adamw_eps"], maximize=group["maximize"],
                    foreach=group["foreach"], compiled=group["compiled"],
-                   write_last_grad=not exact)
+                   orthogonalize_on=group["orthogonalize_on"], write_last_grad=not exact)
         return loss
 
     def _check_gradients(self):
@@ -241,6 +248,7 @@ def _validate_group(g):
     check_choice("rule", g["rule"], RULES)
     check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
     check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
+    check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     for flag in ("clip_c", "is_approx", "efficient", "maximize"):
         if not isinstance(g[flag], bool):
             raise ValueError(f"{flag}: expected a bool, got {g[flag]!r}")

@@ -61,7 +61,17 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
             f"it, save {name.lower()}.state_dict() (and the model's state_dict()), build a new "
             f"{name} on the copied or loaded model, and call its load_state_dict(...)")
 
-    __reduce_ex__ = __reduce__ = __getstate__ = __copy__ = __deepcopy__ = _refuse_copy
+    # torch.optim.Optimizer's (and object's) signatures, each refusing (conformance tests)
+    def __reduce_ex__(self, protocol, /):
+        self._refuse_copy()
+
+    def __reduce__(self, /):
+        self._refuse_copy()
+
+    def __getstate__(self):
+        self._refuse_copy()
+
+    __copy__ = __deepcopy__ = _refuse_copy
 
     # -- the Optimizer attributes are the backbone's ------------------------------------
     @property
@@ -254,11 +264,19 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self):
         """The backbone's ``state_dict()`` plus this preconditioner's state under
-        ``_state_key`` (``"mkor"`` / ``"kfac"``): one checkpoint resumes both."""
+        ``_state_key`` (``"mkor"`` / ``"kfac"``): one checkpoint resumes both. The same
+        entry also rides in the first param group, so that
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` (which keeps only
+        ``state`` and ``param_groups``) saves it and ``set_state_dict`` restores it."""
         for hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim does
             hook(self)
         state = self.optimizer.state_dict()
-        state[self._state_key] = self.preconditioner_state_dict()
+        own = state[self._state_key] = self.preconditioner_state_dict()
+        if state["param_groups"]:  # DCP's get_state_dict keeps only "state" and
+            # "param_groups": the preconditioner's state rides in the first group too, and
+            # load_state_dict takes it out again before the backbone sees the groups
+            first = dict(state["param_groups"][0], **{self._state_key: own})
+            state["param_groups"] = [first] + list(state["param_groups"][1:])
         for hook in self._optimizer_state_dict_post_hooks.values():
             state = hook(self, state) or state
         return state
@@ -271,6 +289,12 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
             state_dict = hook(self, state_dict) or state_dict
         state = dict(state_dict)
         own = state.pop(self._state_key, None)
+        groups = state.get("param_groups")
+        if groups and self._state_key in groups[0]:  # the copy carried through DCP
+            first = dict(groups[0])
+            carried = first.pop(self._state_key)
+            state["param_groups"] = [first] + list(groups[1:])
+            own = carried if own is None else own
         if own is None and "layers" in state and "param_groups" not in state:
             own, state = state, state.get("optimizer")
         if own is None:
