@@ -270,3 +270,75 @@ def test_unsupported_sharding_is_refused_by_name(how):
             assert all("2.weight" in m and "no fully_shard placed" in m for m in messages)
         else:  # Linear(2, 3): the first weight with an even column count
             assert all("4.weight" in m and "(Shard(dim=1),)" in m for m in messages)
+
+
+# -- distributed checkpoints: saved on 2 ranks, resumed on 3 and on 1 --------------------------
+
+SAVE_AT = 2
+
+
+def _dcp_train(model, pre, opt, steps, rank, world):
+    for t in steps:
+        x, y = _batch(t)
+        Fn.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        pre.step()
+        opt.zero_grad()
+
+
+def _dcp_job(rank, world, root, name, save):
+    """``save``: train SAVE_AT steps and checkpoint; else load into a fresh model (another
+    seed, so the load must overwrite it) and train the remaining steps."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = _shard(_model() if save else _reseeded_model())
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
+                          momentum=0.9)
+    pre = _preconditioner(model, opt, VARIANTS[name])
+    if save:
+        _dcp_train(model, pre, opt, range(SAVE_AT), rank, world)
+        model_sd, optim_sd = get_state_dict(model, pre)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
+        return pre.preconditioner_state_dict()["steps"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's zero-gradient init step captures nothing
+        model_sd, optim_sd = get_state_dict(model, pre)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=root)
+        set_state_dict(model, pre, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    restored = pre.preconditioner_state_dict()["steps"]
+    _dcp_train(model, pre, opt, range(SAVE_AT, STEPS), rank, world)
+    out = {"params": [_full(p.detach()).clone() for p in model.parameters()],
+           "restored_steps": restored}
+    if isinstance(pre, MKOR):
+        out["factors"] = {k: tuple(None if f is None else f.clone() for f in v)
+                          for k, v in pre.inverse_factors().items()}
+    return out
+
+
+def _reseeded_model():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2), nn.Tanh(),
+                          nn.Linear(2, 3, bias=False), nn.Tanh(), nn.Linear(3, 4), nn.Tanh(),
+                          nn.Linear(4, 3)).double()
+    model[6].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("name", ["paper", "kfac"])
+def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
+    """MKOR / K-FAC under FSDP2 through get_state_dict + dcp.save on 2 ranks, dcp.load +
+    set_state_dict on 3 and on 1: the step count comes back, and the resumed run equals one
+    process on the whole batch (1e-12; the first steps summed over 2 ranks, the last over 3
+    or 1). The frozen layer's weight (never trained) checks the model load too: the fresh
+    model starts from another seed."""
+    root = str(tmp_path / "ckpt")
+    saved = run(_dcp_job, 2, root, name, True)
+    assert saved == [SAVE_AT, SAVE_AT]
+    reference = _single(name)
+    for world in (3, 1):
+        for rank, result in enumerate(run(_dcp_job, world, root, name, False)):
+            assert result["restored_steps"] == SAVE_AT
+            _assert_close(result, reference, f"{name}, resumed on rank {rank} of {world}")
