@@ -136,7 +136,9 @@ class Stepper:
                 o.step()
             return
         w = self.wrapper
-        w.step(loss=loss)  # MKOR-H reads it (batched: one read per switch check)
+        if isinstance(w, MKOR):
+            w.observe_loss(loss)  # MKOR-H reads it (batched: one read per switch check)
+        w.step()
         if isinstance(w, MKOR) and w.switched and self.switch_step is None:
             self.switch_step = w.steps
 

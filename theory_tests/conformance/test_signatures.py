@@ -8,9 +8,8 @@ bases inside ``torch_impl``) overrides from ``torch.optim.Optimizer`` must have 
 parameter names, kinds and defaults of torch's method (``inspect.signature``; annotations are
 not compared). The set is discovered, not listed: every callable that a ``torch_impl`` class
 in the MRO defines under a name that is also an attribute of ``torch.optim.Optimizer``,
-``__init__`` excluded (constructors differ by design). The one difference, MKOR's and
-K-FAC's keyword-only ``step(..., loss=None)``, is a strict xfail with its reason; MARS,
-MARS-M and LAMB have none.
+``__init__`` excluded (constructors differ by design). There is no exception (MKOR-H takes
+its loss through ``observe_loss``, not an extra keyword of ``step``).
 """
 import functools
 import inspect
@@ -25,12 +24,7 @@ CLASSES = {"MARS": MARS, "MARSM": MARSM, "MARS_M": MARS_M, "LAMB": LAMB, "MKOR":
            "KFAC": KFAC}
 TORCH = torch.optim.Optimizer
 
-_STEP_LOSS = (
-    "PreconditionedOptimizer.step(self, closure=None, *, loss=None) "
-    "(torch_impl/mkor/wrapper.py) adds the keyword-only 'loss' (MKOR-H's sync-free loss feed) "
-    "to torch's step(self, closure=None): a deliberate, documented extension. Every call valid "
-    "for torch's signature still binds (DCP's step(closure=None) works).")
-KNOWN_DIFFERENCES = {(cls, "step"): _STEP_LOSS for cls in ("MKOR", "KFAC")}
+KNOWN_DIFFERENCES = {}  # none: MKOR-H's loss comes through observe_loss, not step
 
 
 def overridden_methods(cls):

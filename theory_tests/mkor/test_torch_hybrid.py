@@ -192,8 +192,9 @@ def _run_switch(how):
             if how == "observe_loss":
                 mkor.observe_loss(loss.item())
                 mkor.step()
-            elif how == "step_loss":
-                mkor.step(loss=loss)
+            elif how == "step_loss":  # a tensor, buffered: read once per switch check
+                mkor.observe_loss(loss)
+                mkor.step()
             else:
                 mkor.step()
             mkor.zero_grad()
@@ -206,7 +207,7 @@ def _run_switch(how):
 @pytest.mark.parametrize("how", ["step_loss", "closure", "model_output"])
 def test_every_way_of_passing_the_loss_gives_the_same_switch(how):
     """The rule sees the same losses whether they come as floats to observe_loss, as
-    tensors to step(loss=...), from a closure, or from the model output's "loss"; tensors
+    tensors to observe_loss, from a closure, or from the model output's "loss"; tensors
     are read once per check (switch_check_every steps), not once per step."""
     at, rates, params, reads = _run_switch(how)
     ref_at, ref_rates, ref_params, _ = _run_switch("observe_loss")

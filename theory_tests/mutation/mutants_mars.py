@@ -320,6 +320,8 @@ MARS_MUTANTS = {
         Mutant("torch_impl/mkor/wrapper.py", "            first = dict(state[\"param_groups\"][0], **{self._state_key: own})",
                "            first = dict(state[\"param_groups\"][0])"),
         Mutant("torch_impl/mkor/wrapper.py", "            own = carried if own is None else own", "            own = own"),
+        # a keyword of the wrapper's own beside torch's step signature
+        Mutant("torch_impl/mkor/wrapper.py", "    def step(self, closure=None):", "    def step(self, closure=None, *, loss=None):"),
     ],
     "PORT-FSDP2-ORTHOGONALISE": [
         # the owner map differs between ranks

@@ -246,14 +246,14 @@ class HybridSwitching:
         return mean_over_ranks(values, device, self.process_group)
 
     def observe_loss(self, loss):
-        """Feed one step's loss to the MKOR-H rule now (a float, or a tensor: reading it
-        is then a host sync here). ``step(loss=...)`` does the same without the sync.
-        Distributed, the rule sees the mean loss over the ranks, so every rank switches at
-        the same step. Returns whether MKOR has switched."""
+        """Feed this step's loss to the MKOR-H rule (a float, or a tensor: buffered and read
+        once per ``switch_check_every`` steps, when the rule checks, so a tensor costs no
+        host sync at the other steps); call it before ``step()``. Distributed, the rule
+        sees the mean loss over the ranks, so every rank switches at the same step. Returns
+        whether MKOR has switched."""
         if self._feed is not None and not self._switched:
             self._fed_by_hand = True
-            self._feed.push(loss)
-            if self._feed.flush():
+            if self._feed.push(loss) and self._feed.flush():
                 self._switch()
         return self._switched
 
@@ -269,7 +269,7 @@ class HybridSwitching:
         loss = tapped if loss is None else loss
         if loss is None:
             self._warn_once("no loss", "MKOR: hybrid_switch='loss_rate' got no loss at step "
-                            f"{self._steps}: pass step(loss=loss) or a closure, or return a "
+                            f"{self._steps}: call observe_loss(loss) or pass a closure, or return a "
                             "model output with a .loss; the switch cannot fire without losses")
             return
         if self._feed.push(loss) and self._feed.flush():

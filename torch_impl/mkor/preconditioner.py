@@ -134,7 +134,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             the same vectors, but every forward goes through the hook machinery).
         hybrid_switch: None or "loss_rate" (MKOR-H, K18) with ``switch_window``,
             ``switch_check_every``, ``switch_threshold``, ``switch_patience``. The rule
-            reads each step's loss from ``step(loss=...)``, a closure, or the model's output
+            reads each step's loss from ``observe_loss(loss)``, a closure, or the model's output
             (``output.loss``, as transformers models return), and warns once if a step
             brings none; reading is batched (one sync per ``switch_check_every`` steps).
         switch_step: switch to the backbone for good at step k (MKOR-H).

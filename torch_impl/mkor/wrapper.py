@@ -222,15 +222,15 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
             raise ValueError(f"grad_scale must be > 0, got {scale!r}")
         self._grad_scale = scale
 
-    def step(self, closure=None, *, loss=None):
+    def step(self, closure=None):
         """Precondition, then the backbone's ``step()``. ``closure`` (re-evaluates the
-        loss, as in ``torch.optim``) runs first, under grad; ``loss`` passes this step's
-        loss without one (MKOR-H reads it). Returns the closure's loss."""
-        closure_loss = None
+        loss, as in ``torch.optim``) runs first, under grad; MKOR-H reads its loss (or one
+        given to ``observe_loss``, or the model output's). Returns the closure's loss.
+        torch.optim's signature exactly: DCP and training loops call it by keyword."""
+        closure_loss = loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure_loss = closure()
-            loss = closure_loss if loss is None else loss
+                closure_loss = loss = closure()
         if not self._amp_step():
             return closure_loss
         if self._detached:
