@@ -165,6 +165,11 @@ def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=
         _lightning_bf16(model, pre, batches, rec, timer)
     elif feature == "accelerate":
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        # accelerate keeps process-wide singletons: a Trainer or Accelerator made earlier in
+        # this worker (e.g. by a README example) would keep its accumulation setting
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
         acc = Accelerator(cpu=True, gradient_accumulation_steps=micro)
         model_p, pre_p = acc.prepare(model, pre)
         for batch in batches:
