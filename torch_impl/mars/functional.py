@@ -107,15 +107,8 @@ def _take(xs, idx):
 def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo,
                         scales, deferred=None):
     """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
-    corrected = {}  # (route, step) -> the record with its bias corrections: one per pair
     for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
-        step = F._step_count(k)  # CPU: no sync
-        key = None if torch.is_tensor(step) else (kind, step)  # traced by torch.compile: a tensor
-        h = corrected.get(key)
-        if h is None:
-            h = F.with_bias_corrections(hypers[kind], step, SINGLE)
-            if key is not None:
-                corrected[key] = h
+        h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
         if kind == F.FALLBACK:  # (M14) on the raw gradient
             F.adamw_rule_(p, g, m, v, None, h, SINGLE)
             continue
