@@ -30,10 +30,8 @@ Times on a machine with fewer cores than ranks are indicative only; bytes are ex
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -43,6 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from figures.bench.forked_ranks import run_ranks
 from torch_impl import KFAC, MKOR
 
 CONFIGS = (("MKOR", "replicated"), ("MKOR", "owner"), ("K-FAC", "replicated"))
@@ -250,18 +249,7 @@ def _worker(rank, world, store, path, args):
 def measure(world, args):
     """Every rank's list of result rows (one per optimizer x placement) for ``world`` forked
     gloo ranks."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="fsdp2_bench_") as tmp:
-        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"),
-                                                   paths[r], args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise RuntimeError(f"rank exited with {p.exitcode}")
-        return [torch.load(p, weights_only=False) for p in paths]
+    return run_ranks(_worker, world, args, prefix="fsdp2_bench_")
 
 
 def _kb(n):

@@ -13,10 +13,8 @@ comparable across rank counts; flops and bytes are exact.
 """
 import argparse
 import datetime
-import multiprocessing
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -25,6 +23,7 @@ import torch.distributed.tensor  # noqa: F401  (imported before the fork)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from figures.bench.forked_ranks import run_ranks
 from torch_impl.common import sharding
 from torch_impl.mars import functional
 
@@ -81,18 +80,7 @@ def _worker(rank, world, store, path, args):
 
 def measure(world, args):
     """Every rank's result dict for ``world`` forked gloo ranks."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="owner_bench_") as tmp:
-        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"),
-                                                   paths[r], args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise RuntimeError(f"rank exited with {p.exitcode}")
-        return [torch.load(p, weights_only=False) for p in paths]
+    return run_ranks(_worker, world, args, prefix="owner_bench_")
 
 
 def table(args):

@@ -103,7 +103,19 @@ def _base_as_matrix():
     return LayerType.as_matrix
 
 
-class FullGradients:
+class _Gradients:
+    """The context-manager protocol of both: on a clean exit, ``write_back``."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if kind is None:
+            self.write_back()
+        return False
+
+
+class FullGradients(_Gradients):
     """The layer's whole weight and bias gradients while preconditioning, written back to
     the rank's shards afterwards (plain gradients pass through untouched).
 
@@ -120,14 +132,6 @@ class FullGradients:
         self.sharded = any(is_dtensor(g) for g, _ in self._pairs)
         self.weight, self.bias = (g.full_tensor() if is_dtensor(g) else g
                                   for g, _ in self._pairs)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, trace):
-        if kind is None:
-            self.write_back()
-        return False
 
     def write_back(self):
         """This rank's rows of the (preconditioned) whole gradients into its shards."""
@@ -174,7 +178,7 @@ def owner_map(layers, placement, owner):
     return {name: (rank, group) for name, rank in assign_owners(costs, mesh.size()).items()}
 
 
-class OwnerGradients:
+class OwnerGradients(_Gradients):
     """Like :class:`FullGradients` for a layer whose factors one rank owns: the owner gets
     the whole gradients (``weight``, ``bias``; None elsewhere) by one ``gather`` each, and
     ``write_back`` sends every rank its rows of them (one ``scatter`` each)."""
@@ -187,14 +191,6 @@ class OwnerGradients:
         self._shards = [module.weight.grad, None if bias is None else bias.grad]
         self.is_owner = dist.get_rank(group) == owner
         self.weight, self.bias = (None if g is None else self._gather(g) for g in self._shards)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, trace):
-        if kind is None:
-            self.write_back()
-        return False
 
     def _layout(self, shard):
         world = dist.get_world_size(self._group)
