@@ -1,22 +1,31 @@
-"""Run a benchmark's worker on N forked gloo ranks (CPU) and collect what each rank saved.
+"""Run a benchmark's per-rank measurement on N forked gloo ranks (CPU) and collect the results.
 
-``worker(rank, world, store, path, args)`` initialises its process group on the file
-``store``, measures, ``torch.save``s its result to ``path`` and leaves with ``os._exit``.
+``measure(rank, world, args)`` runs inside an initialised default process group (a file store in
+a temporary folder: no ports) and returns anything ``torch.save`` can store.
 """
 import multiprocessing
 import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 
 
-def run_ranks(worker, world, args, prefix="bench_"):
-    """Every rank's saved result, in rank order."""
+def _worker(measure, rank, world, store, path, args):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    result = measure(rank, world, args)
+    dist.destroy_process_group()
+    torch.save(result, path)
+    os._exit(0)  # a forked copy must not run the parent's atexit handlers
+
+
+def run_ranks(measure, world, args, prefix="bench_"):
+    """Every rank's result, in rank order."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=worker, args=(r, world, os.path.join(tmp, "store"),
-                                                  paths[r], args)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(measure, r, world, os.path.join(tmp, "store"),
+                                                   paths[r], args)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:

@@ -238,18 +238,10 @@ def _rank(rank, world, args):
     return out
 
 
-def _worker(rank, world, store, path, args):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    result = _rank(rank, world, args)
-    dist.destroy_process_group()
-    torch.save(result, path)
-    os._exit(0)
-
-
 def measure(world, args):
     """Every rank's list of result rows (one per optimizer x placement) for ``world`` forked
     gloo ranks."""
-    return run_ranks(_worker, world, args, prefix="fsdp2_bench_")
+    return run_ranks(_rank, world, args, prefix="fsdp2_bench_")
 
 
 def _kb(n):

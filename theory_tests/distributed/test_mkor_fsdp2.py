@@ -194,6 +194,9 @@ def _local_rows_job(rank, world):
             self.bias = None if b is None or b.grad is None else b.grad.to_local()
             self.sharded = True
 
+        def matrix(self, layer):
+            return layer.type.as_matrix(layer.module, self.weight)
+
         def __enter__(self):
             return self
 

@@ -429,8 +429,7 @@ class KFAC(PreconditionedOptimizer):
             if "decomposed" not in s or w.grad is None:
                 continue
             grads = FullGradients(layer.module)  # FSDP2: the whole gradients (mkor.fsdp)
-            matrix = (layer.type.as_matrix(layer.module, grads.weight) if grads.sharded
-                      else layer.type.grad_matrix(layer.module))
+            matrix = grads.matrix(layer)
             G_hat = matrix.to(self._dtype)
             if layer.has_bias:
                 gb = grads.bias if grads.bias is not None else G_hat.new_zeros(layer.d_out)

@@ -106,6 +106,13 @@ def _base_as_matrix():
 class _Gradients:
     """The context-manager protocol of both: on a clean exit, ``write_back``."""
 
+    def matrix(self, layer):
+        """The layer's (d_out, d_in) weight-gradient matrix to read and write: a view of the
+        gathered whole gradient, or of ``.grad`` itself (through the layer type's own view)."""
+        if self.sharded:
+            return layer.type.as_matrix(layer.module, self.weight)
+        return layer.type.grad_matrix(layer.module)
+
     def __enter__(self):
         return self
 

@@ -148,10 +148,7 @@ def precondition_layer(layer, s, o, workspace=None, owner=None):
 
 def _precondition_gradients(layer, s, o, workspace, grads):
     module = layer.module
-    if grads.sharded:
-        matrix = layer.type.as_matrix(module, grads.weight)
-    else:
-        matrix = layer.type.grad_matrix(module)
+    matrix = grads.matrix(layer)
     cd = torch.promote_types(matrix.dtype, o.compute_dtype)
     grad_W = matrix.to(cd)
     grad_b = None
