@@ -39,9 +39,9 @@ ARGS = ["--steps", str(STEPS), "--batch", "4", "--seq", "8", "--inv-freq", "2",
 CROSS_WORLD_TOL = 5e-2
 
 
-def _job(rank, world, root, name):
+def _job(rank, world, root, name, extra=()):
     ckpt = os.path.join(root, name)
-    base = ARGS + ["--optimizer", name, "--checkpoint", ckpt]
+    base = ARGS + list(extra) + ["--optimizer", name, "--checkpoint", ckpt]
     full = fsdp2_train.main(base)
     resumed = fsdp2_train.main(base + ["--resume", "--seed", "1"])
     fresh = fsdp2_train.main(["--steps", "0", "--seed", "1", "--optimizer", name])
@@ -85,9 +85,15 @@ def _check(results, single):
                 assert torch.equal(res[run_name]["params"][n], p), (run_name, n)
 
 
-@pytest.mark.parametrize("name", fsdp2_train.OPTIMIZERS)
-def test_fsdp2_example_trains_and_resumes_bit_identically(tmp_path, name):
-    _check(run(_job, 2, str(tmp_path), name, timeout=90.0),
+CASES = [(name, ()) for name in fsdp2_train.OPTIMIZERS] + [
+    (name, ("--factor-placement", "owner")) for name in ("mkor", "kfac")]
+
+
+@pytest.mark.parametrize("name, extra", CASES, ids=[n + "-owner" * bool(e) for n, e in CASES])
+def test_fsdp2_example_trains_and_resumes_bit_identically(tmp_path, name, extra):
+    """(a)-(d) of the module docstring; MKOR and K-FAC also with owner-placed factors
+    (saved and resumed by the owners; the one-process run holds every factor)."""
+    _check(run(_job, 2, str(tmp_path), name, extra, timeout=90.0),
            run(_one_process, 1, name, timeout=90.0)[0])
 
 

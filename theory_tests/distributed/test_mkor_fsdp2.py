@@ -36,6 +36,10 @@ VARIANTS = {
     # each sharded layer's factors on one rank: the owner gathers, preconditions, scatters
     "paper_owner": dict(kind="mkor", variant="paper", inv_freq=1, factor_dtype="float64",
                         stat_decay=0.8, factor_placement="owner"),
+    "kfac_owner": dict(kind="kfac", inv_freq=2, damping=1e-2, factor_placement="owner"),
+    # switched before the checkpoint is written (SAVE_AT): the hand-over must survive DCP
+    "paper_switched": dict(kind="mkor", variant="paper", inv_freq=1, factor_dtype="float64",
+                           switch_step=1),
 }
 
 
@@ -75,14 +79,26 @@ def _train(model, options, rank=None, world=1):
         Fn.mse_loss(model(x), y).backward()
         pre.step()
         opt.zero_grad()
-    out = {"params": [_full(p.detach()).clone() for p in model.parameters()]}
+    out = {"params": [_full(p.detach()).clone() for p in model.parameters()],
+           "factors": _factors(pre)}
+    # every matrix the preconditioner keeps: MKOR's inverses, K-FAC's EMAs and eigenbases
+    out["factor_bytes"] = sum(t.nbytes for s in pre.preconditioner_state_dict()["layers"].values()
+                              for v in s.values() for t in (v if isinstance(v, tuple) else [v])
+                              if isinstance(t, torch.Tensor) and t.ndim > 0)
     if isinstance(pre, MKOR):
-        out["factor_bytes"] = sum(f.nbytes for pair in pre.inverse_factors().values()
-                                  for f in pair if f is not None)
-        out["factors"] = {k: tuple(None if f is None else f.clone() for f in v)
-                          for k, v in pre.inverse_factors().items()}
         out["switched"] = pre.switched
     return out
+
+
+def _factors(pre):
+    """{layer: (left, right)}: MKOR's (L_inv, R_inv), K-FAC's EMAs (G, A); None where the
+    rank keeps no such factor (an identity side, or a layer another rank owns)."""
+    if isinstance(pre, MKOR):
+        pairs = pre.inverse_factors()
+    else:
+        pairs = {n: (s.get("G"), s.get("A"))
+                 for n, s in pre.preconditioner_state_dict()["layers"].items()}
+    return {k: tuple(None if f is None else f.clone() for f in v) for k, v in pairs.items()}
 
 
 def _shard(model, mixed=True):
@@ -126,7 +142,7 @@ def test_fsdp2_ranks_equal_one_process_on_the_whole_batch(ranks, name):
         assert all(r[name]["switched"] == reference["switched"] for r in results)
     if name == "paper_switch":
         assert reference["switched"]
-    if name == "paper_owner":  # every factor on exactly one rank; memory divided among them
+    if name.endswith("_owner"):  # every factor on exactly one rank; memory divided among them
         for layer, pair in reference["factors"].items():
             for side, b in enumerate(pair):
                 held = [r[name]["factors"][layer][side] is not None for r in results]
@@ -142,6 +158,64 @@ def test_fsdp2_on_four_ranks(name):
     reference = _single(name)
     for rank, result in enumerate(run(_job, 4, (name,))):
         _assert_close(result[name], reference, f"{name}, rank {rank} of 4")
+
+
+def _hsdp_job(rank, world, names, shapes):
+    """HSDP: ``fully_shard`` on a (replicate, shard) mesh of each shape, so parameters are
+    ``(Replicate(), Shard(0))`` DTensors; each rank still trains its own slice. Also returns
+    the refusal of owner-placed factors on such a mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    for shape in shapes:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+        def sharded():
+            model = _model()
+            for i in (0, 2):
+                fully_shard(model[i], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            assert model[0].weight.placements[0].is_replicate(), model[0].weight.placements
+            return model
+
+        for name in names:
+            out[shape, name] = _train(sharded(), VARIANTS[name], rank, world)
+        refusals = []
+        for options in (VARIANTS["paper_owner"], VARIANTS["kfac_owner"]):
+            model = sharded()
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+            try:
+                _preconditioner(model, opt, options)
+            except ValueError as error:
+                refusals.append(str(error))
+        out[shape, "refusals"] = refusals
+    return out
+
+
+def _check_hsdp(world, shapes):
+    names = ("paper", "released", "kfac")
+    for rank, result in enumerate(run(_hsdp_job, world, names, shapes)):
+        for shape in shapes:
+            for name in names:
+                _assert_close(result[shape, name], _single(name),
+                              f"HSDP {shape} {name}, rank {rank} of {world}")
+            refusals = result[shape, "refusals"]
+            assert len(refusals) == 2 and all(
+                "factor_placement='owner' needs every sharded layer on one 1-D mesh" in m
+                for m in refusals), refusals
+
+
+def test_hsdp_equals_one_process():
+    """The HSDP placement the module accepts, (Replicate(), Shard(0)) on a 2-D mesh, with
+    replicated factors: 2 ranks as 1 replica x 2 shards and as 2 replicas x 1 shard equal
+    one process on the whole batch (1e-12); owner-placed factors are refused there."""
+    _check_hsdp(2, ((1, 2), (2, 1)))
+
+
+@pytest.mark.slow
+def test_hsdp_on_four_ranks_equals_one_process():
+    """The same on 4 ranks, 2 replicas x 2 shards."""
+    _check_hsdp(4, ((2, 2),))
 
 
 def _float32_train(model, rank=None, world=1):
@@ -303,7 +377,7 @@ def _dcp_job(rank, world, root, name, save):
         _dcp_train(model, pre, opt, range(SAVE_AT), rank, world)
         model_sd, optim_sd = get_state_dict(model, pre)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
-        return pre.preconditioner_state_dict()["steps"]
+        return pre.preconditioner_state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's zero-gradient init step captures nothing
         model_sd, optim_sd = get_state_dict(model, pre)
@@ -311,14 +385,10 @@ def _dcp_job(rank, world, root, name, save):
         dcp.load(state, checkpoint_id=root)
         set_state_dict(model, pre, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-    restored = pre.preconditioner_state_dict()["steps"]
+    restored = pre.preconditioner_state_dict()
     _dcp_train(model, pre, opt, range(SAVE_AT, STEPS), rank, world)
-    out = {"params": [_full(p.detach()).clone() for p in model.parameters()],
-           "restored_steps": restored}
-    if isinstance(pre, MKOR):
-        out["factors"] = {k: tuple(None if f is None else f.clone() for f in v)
-                          for k, v in pre.inverse_factors().items()}
-    return out
+    return {"params": [_full(p.detach()).clone() for p in model.parameters()],
+            "restored": restored, "factors": _factors(pre)}
 
 
 def _reseeded_model():
@@ -330,18 +400,61 @@ def _reseeded_model():
     return model
 
 
-@pytest.mark.parametrize("name", ["paper", "kfac"])
+def _whole_state(states, what):
+    """One preconditioner state from every rank's ``preconditioner_state_dict()``: each
+    layer's entries merged over the ranks that hold them, which must hold the same values
+    bit for bit (a rank holds a layer's state whole or not at all: DCP saves one copy of an
+    entry several ranks hold, from whichever rank it picks). Everything else is replicated."""
+    whole = {k: v for k, v in states[0].items() if k != "layers"}
+    for state in states[1:]:
+        assert {k: v for k, v in state.items() if k != "layers"} == whole, what
+    layers = {}
+    for rank, state in enumerate(states):
+        for name, entries in state["layers"].items():
+            merged = layers.setdefault(name, {})
+            if entries and merged:  # held by two ranks: replicated, so the same everywhere
+                _assert_same_state(entries, merged, f"{what}: {name} on rank {rank}")
+            merged.update(entries)
+    return dict(whole, layers=layers)
+
+
+def _assert_same_state(a, b, what):
+    assert set(a) == set(b), what
+    for key, value in a.items():
+        if isinstance(value, dict):
+            _assert_same_state(value, b[key], f"{what}.{key}")
+        elif isinstance(value, tuple):
+            assert all(torch.equal(x, y) for x, y in zip(value, b[key])), f"{what}.{key}"
+        elif isinstance(value, torch.Tensor):
+            assert value.dtype == b[key].dtype and torch.equal(value, b[key]), f"{what}.{key}"
+        else:
+            assert value == b[key], f"{what}.{key}"
+
+
+@pytest.mark.parametrize("name", ["paper", "kfac", "paper_owner", "kfac_owner",
+                                  "paper_switched"])
 def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
     """MKOR / K-FAC under FSDP2 through get_state_dict + dcp.save on 2 ranks, dcp.load +
-    set_state_dict on 3 and on 1: the step count comes back, and the resumed run equals one
-    process on the whole batch (1e-12; the first steps summed over 2 ranks, the last over 3
-    or 1). The frozen layer's weight (never trained) checks the model load too: the fresh
-    model starts from another seed."""
+    set_state_dict on 3 and on 1:
+
+    * the preconditioner's whole state (every layer's factors and counters, merged over the
+      ranks that hold them; the step count; MKOR-H's switch and rule state) comes back bit
+      for bit, whichever ranks own the layers before and after;
+    * the resumed run equals one process on the whole batch (1e-12; the first steps summed
+      over 2 ranks, the last over 3 or 1). The frozen layer's weight (never trained) checks
+      the model load too: the fresh model starts from another seed."""
     root = str(tmp_path / "ckpt")
-    saved = run(_dcp_job, 2, root, name, True)
-    assert saved == [SAVE_AT, SAVE_AT]
+    saved = _whole_state(run(_dcp_job, 2, root, name, True), f"{name} saved")
+    assert all(saved["layers"].values())  # every layer's state is on some rank
+    if name == "paper_switched":  # saved after the hand-over at step 1: factors freed,
+        assert saved["switched"] and saved["steps"] == 1  # their layout kept (zeros)
+        assert not any(v.any() for s in saved["layers"].values() for v in s.values())
+    else:
+        assert saved["steps"] == SAVE_AT
     reference = _single(name)
     for world in (3, 1):
-        for rank, result in enumerate(run(_dcp_job, world, root, name, False)):
-            assert result["restored_steps"] == SAVE_AT
+        results = run(_dcp_job, world, root, name, False)
+        restored = _whole_state([r["restored"] for r in results], f"{name} on {world}")
+        _assert_same_state(restored, saved, f"{name}: 2 -> {world} ranks")
+        for rank, result in enumerate(results):
             _assert_close(result, reference, f"{name}, resumed on rank {rank} of {world}")

@@ -183,7 +183,7 @@ MUTANTS = {
         Mutant(R_K, "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + damping)) @ QA.T",
                "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
         Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
-        Mutant(T_K, "            nu = nu.clamp(max=1.0)", "            nu = nu.clamp(max=2.0)"),
+        Mutant(T_K, "        return nu.clamp(max=1.0)", "        return nu.clamp(max=2.0)"),
     ],
     "L3.1": [
         Mutant(R_F, '    denominator = stat_decay + (1 - stat_decay) * (v @ Jv)', '    denominator = stat_decay - (1 - stat_decay) * (v @ Jv)'),
@@ -405,8 +405,8 @@ MUTANTS = {
         Mutant(T_L, "        if grads.sharded:\n            matrix.copy_(delta_W)",
                "        if grads.sharded:\n            pass"),
         # K-FAC's rows never written back
-        Mutant(T_K, "                grads.bias.copy_(V[:, -1])\n            grads.write_back()",
-               "                grads.bias.copy_(V[:, -1])"),
+        Mutant(T_K, "                self._write(layer, grads, V if nu is None else V * nu.to(V.device))\n            grads.write_back()",
+               "                self._write(layer, grads, V if nu is None else V * nu.to(V.device))"),
         # a sharding the hooks cannot see whole let through
         Mutant(T_FSDP, "    return placements == (Shard(0),) or placements == (Replicate(), Shard(0))",
                "    return True"),
@@ -418,14 +418,37 @@ MUTANTS = {
                "        rank = min(range(world), key=lambda r: (r, load[r]))"),
         Mutant(T_FSDP, "                    out[r][:n] = full[r * chunk:r * chunk + n]",
                "                    out[r][:n] = full[:n]"),
-        Mutant(T_P, "        return torch.distributed.get_rank(group) == rank",
-               "        return True"),
+        Mutant(T_FSDP, "    return dist.get_rank(group) == rank", "    return True"),
+        # HSDP's (Replicate(), Shard(0)) refused; owner placement let onto a 2-D mesh
+        Mutant(T_FSDP, "    return placements == (Shard(0),) or placements == (Replicate(), Shard(0))",
+               "    return placements == (Shard(0),)"),
+        Mutant(T_FSDP, "    if mesh.ndim != 1 or any(l.module.weight.device_mesh != mesh for l in sharded):",
+               "    if any(l.module.weight.device_mesh != mesh for l in sharded):"),
+        # K-FAC owner placement: the owners' KL-clip terms not summed over the ranks (each
+        # rank clips with its own layers' sum); the statistics reduced to rank 0 whoever owns
+        Mutant(T_K, "            dist.all_reduce(owned, group=next(iter(self._owners.values()))[1])",
+               "            pass"),
+        Mutant(T_K, "                groups.setdefault(dist.get_global_rank(group, rank), []).append(layer)",
+               "                groups.setdefault(0, []).append(layer)"),
+    ],
+    "PORT-DCP": [
+        # a rank keeping a (never updated) state of a layer another rank owns: DCP saves one
+        # of the copies, perhaps the stale one
+        Mutant(T_P, "        if not self._owns(layer.name):\n            return {}\n",
+               "        if False:\n            return {}\n"),
+        Mutant(T_K, "        if not owns(self._owners, layer.name):  # another rank keeps it (DCP: one copy)\n            return {}",
+               "        if False:\n            return {}"),
+        # MKOR-H switched: the freed factors leave no layout, and a fresh optimizer's DCP
+        # template asks for entries the checkpoint lacks
+        Mutant(T_P, "        layers = (self._released_state() if self._switched else",
+               "        layers = ({} if self._switched else"),
     ],
 }
 
 
 # The MARS family's mutants live in their own file (one list per optimizer family).
+# A row both families prove (PORT-DCP) takes the mutants of both lists.
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS):
-    assert not set(_family) & set(MUTANTS), set(_family) & set(MUTANTS)
-    MUTANTS.update(_family)
+    for _row, _mutants in _family.items():
+        MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

@@ -42,17 +42,31 @@ loss, and DDP averages over the P ranks), before the same EMA and decomposition.
 with no rows on some rank (an MoE expert routed no tokens there) adds zeros, never 0/0.
 :attr:`KFAC.payload_bytes` = (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d
 layers) x itemsize: O(d^2) per layer. (KAISA can also send inverses or shard the work;
-this baseline replicates everything, like MKOR.)
+by default this baseline replicates everything, like MKOR.)
+
+Under FSDP2 (:mod:`~torch_impl.mkor.fsdp`) the sharded gradient is gathered whole and
+preconditioned, as for MKOR. ``factor_placement="replicated"``: every rank holds every
+layer's A, G and their decompositions (the all-reduce above). ``"owner"``: each sharded
+layer's factors live on one rank (:func:`~torch_impl.mkor.fsdp.assign_owners`, balanced on
+d_out^2 + d_in'^2); its sums are *reduced* to that rank alone (one ``reduce`` per owning
+rank, of the packet of the layers it owns: the same bytes leave every rank, but only the
+owner receives the O(d^2) result, where an all-reduce also sends it back to everyone),
+the owner alone forms the EMAs and decomposes them (factor memory and the O(d^3) work
+divided among the ranks), gathers the gradient, computes V, and scatters every rank its
+rows. The KL-clip sum over layers becomes one scalar all-reduce of the owners' partial
+sums, so nu is the same on every rank.
 """
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from ..mkor.capture import Capture, weak_schedule
 from ..mkor.discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from ..mkor.distributed import Packet, world_size
-from ..mkor.fsdp import FullGradients, check_supported_sharding
+from ..mkor.fsdp import (FullGradients, OwnerGradients, check_supported_sharding, owner_map,
+                         owns)
 from ..mkor.layers import LayerType
 from ..mkor.wrapper import PreconditionedOptimizer
 from ..common.validation import check_choice, check_int, check_number
@@ -155,6 +169,8 @@ class KFAC(PreconditionedOptimizer):
             :func:`~.kfac_conventions.from_kfac_pytorch` sets this and the scales).
         factor_init_scale: (s_A, s_G), each > 0, for ``factor_init="identity"`` (default
             (1.0, 1.0); must stay so with "batch").
+        factor_placement: under FSDP2, where a sharded layer's factors live: "replicated"
+            (default; on every rank) or "owner" (on one rank per layer: module docstring).
     """
 
     _state_key = "kfac"
@@ -163,7 +179,7 @@ class KFAC(PreconditionedOptimizer):
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
                  grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
                  grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
-                 factor_init_scale=(1.0, 1.0)):
+                 factor_init_scale=(1.0, 1.0), factor_placement="replicated"):
         self._bind(model, optimizer, grad_scaler)
         check_int("inv_freq", inv_freq, low=1)
         check_int("factor_freq", factor_freq, low=1)
@@ -184,6 +200,7 @@ class KFAC(PreconditionedOptimizer):
         if kl_clip is not None:
             check_number("kl_clip", kl_clip, 0.0, low_open=True)
         check_choice("method", method, ("eigen", "inverse"))
+        check_choice("factor_placement", factor_placement, ("replicated", "owner"))
         if max_factor_dim is not None:
             check_int("max_factor_dim", max_factor_dim, low=1)
         if not isinstance(grad_scale, torch.Tensor):
@@ -197,6 +214,8 @@ class KFAC(PreconditionedOptimizer):
         found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
         self._layers, self._skipped = found.layers, found.skipped
         check_supported_sharding(unwrap_model(model), self._layers, "KFAC")
+        self.factor_placement = factor_placement
+        self._owners = owner_map(self._layers, factor_placement, "KFAC")
         # Factors are kept in the statistics' dtype: the weights' promoted with float32.
         self._dtype = (torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
                        if self._layers else torch.float32)
@@ -211,14 +230,31 @@ class KFAC(PreconditionedOptimizer):
                                 _input_stat, _grad_stat, grad_hook=grad_hook,
                                 model=unwrap_model(model), mask_kwarg=token_mask)
         self._capture.register()
-        # Sums travel: A's [-1, -1] entry (the bias column's 1 * 1 summed) is the row
-        # count; a layer with several rows per sample (Conv2d) also sends its samples.
-        self._packet = Packet(
-            [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if _per_sample(l) else [])
-             for l in self._layers],
-            [l.has_bias and not l.identity_R for l in self._layers], self._dtype, sums=True)
+        self._routes = self._plan_routes()
         self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
         self._attach([unwrap_model(model)] + [l.module for l in self._layers])
+
+    def _plan_routes(self):
+        """[(destination, layers, packet)]: the replicated layers' sums all-reduced
+        (destination None), then each owning rank's layers' sums reduced to it (its global
+        rank). Sums travel: A's [-1, -1] entry (the bias column's 1 * 1 summed) is the row
+        count; a layer with several rows per sample (Conv2d) also sends its samples."""
+        groups = {None: [l for l in self._layers if l.name not in self._owners]}
+        for layer in self._layers:
+            if layer.name in self._owners:
+                rank, group = self._owners[layer.name]
+                groups.setdefault(dist.get_global_rank(group, rank), []).append(layer)
+        routes = []
+        for dst in [None] + sorted(d for d in groups if d is not None):
+            layers = groups[dst]
+            if not layers:
+                continue
+            packet = Packet(
+                [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if _per_sample(l) else [])
+                 for l in layers],
+                [l.has_bias and not l.identity_R for l in layers], self._dtype, sums=True)
+            routes.append((dst, layers, packet))
+        return routes
 
     @staticmethod
     def _a_shape(layer):
@@ -229,6 +265,8 @@ class KFAC(PreconditionedOptimizer):
         return (0,) if layer.identity_L else (layer.d_out, layer.d_out)
 
     def _initial_state(self, layer):
+        if not owns(self._owners, layer.name):  # another rank keeps it (DCP: one copy)
+            return {}
         dev = layer.module.weight.device
         state = {"updates": torch.zeros((), dtype=torch.int64, device=dev),
                  "non_finite": torch.zeros((), dtype=torch.int64, device=dev),
@@ -243,32 +281,33 @@ class KFAC(PreconditionedOptimizer):
 
     @property
     def payload_bytes(self):
-        """Bytes each rank all-reduces per factor update: (sum_m (d_in'^2 + d_out^2) +
-        #bias-free layers) x itemsize."""
-        return self._packet.nbytes
+        """Bytes each rank sends per factor update (all-reduced, or reduced to the owners):
+        (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d layers) x itemsize."""
+        return sum(packet.nbytes for *_, packet in self._routes)
 
     @property
     def skipped_updates(self):
         """Factor updates refused for non-finite statistics or an overflowing EMA (a
         tensor); layers without rows are counted apart, in ``counters()``."""
-        counts = [s["non_finite"] + s["overflow"] for s in self._state.values()]
+        counts = [s["non_finite"] + s["overflow"] for s in self._state.values() if s]
         return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64))
 
     def counters(self):
         """{name: {...}} of 0-d tensors: accepted ``updates``, updates refused for
         ``non_finite`` statistics or an ``overflow`` of the EMA, and updates sat out with
-        ``no_rows`` (no rows reached the layer, on any rank)."""
+        ``no_rows`` (no rows reached the layer, on any rank); for the layers whose state
+        this rank keeps (all but those another rank owns)."""
         keys = ("updates", "non_finite", "overflow", "no_rows")
-        return {name: {k: s[k] for k in keys} for name, s in self._state.items()}
+        return {name: {k: s[k] for k in keys} for name, s in self._state.items() if s}
 
     def factor_update_due(self):
         return not self._detached and self._steps % self.factor_freq == 0
 
     def factors(self):
         """{name: (A, G)} of the current factor EMAs (None for an identity side), for the
-        layers that have had an update."""
+        layers that have had an update and whose factors this rank keeps."""
         return {n: (s.get("A"), s.get("G")) for n, s in self._state.items()
-                if "decomposed" in s or int(s["updates"]) > 0}
+                if s and ("decomposed" in s or int(s["updates"]) > 0)}
 
     def _drop_statistics(self, completed_only=False):
         if completed_only:
@@ -290,6 +329,13 @@ class KFAC(PreconditionedOptimizer):
         loaded = {}
         for name, saved in state["layers"].items():
             own = self._state[name]
+            if not own:  # another rank owns the layer: its state is not kept here
+                loaded[name] = {}
+                continue
+            if not saved:
+                raise ValueError(f"{name}: the state_dict holds no state for this layer (saved "
+                                 "by a rank that did not own it? save owner-placed factors "
+                                 "with torch.distributed.checkpoint)")
             for key in ("A", "G"):
                 if (key in saved) != (key in own) or (
                         key in own and saved[key].shape != own[key].shape):
@@ -302,9 +348,10 @@ class KFAC(PreconditionedOptimizer):
 
     # -- the step -----------------------------------------------------------------------
     def _batch_factors(self):
-        """[(layer, A_new, G_new, present)] of this step: one process's factors on the union
-        of the ranks' rows (module docstring). ``present``: None (the layer has rows), False
-        (it has none, on one process), or a 0-d bool tensor (no host sync)."""
+        """[(layer, A_new, G_new, present)] of this step for the layers whose factors this
+        rank keeps: one process's factors on the union of the ranks' rows (module
+        docstring). ``present``: None (the layer has rows), False (it has none, on one
+        process), or a 0-d bool tensor (no host sync)."""
         scale = self._step_scale if self._step_scale is not None else self._configured_scale()
         mine = {l.name: self._capture.stats(l.name) for l in self._layers}
         mine = {name: stats for name, stats in mine.items() if stats is not None}
@@ -326,30 +373,35 @@ class KFAC(PreconditionedOptimizer):
                 # number divided by it would round the factor N / s^2 to float32
                 out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
             return out
-        items, counts = [], []
-        for layer in self._layers:
-            if layer.name not in mine:
-                items.append(None)
-                counts.append(0)
-                continue
-            a_sum, rows, s_sum, samples = mine[layer.name]
-            extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if _per_sample(
-                layer) else []
-            items.append([a_sum, s_sum] + extra)
-            counts.append(rows)
-        reduction = self._packet.all_reduce(items, self._layers[0].module.weight.device,
-                                            self.process_group, counts=counts)
-        self.communicated_bytes += self._packet.nbytes
         out = []
-        for layer, (sums, rows) in zip(self._layers, reduction.wait(self._packet.dtype)):
-            A_sum, S_sum = sums[0], sums[1]
-            samples = sums[2][0] if _per_sample(layer) else rows
-            dev = layer.module.weight.device
-            A = A_sum / rows.clamp(min=1)
-            # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
-            # each rank's g_i being its mean loss's gradient and DDP averaging over P ranks
-            G = S_sum * samples / world / world / scale / scale
-            out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
+        for dst, layers, packet in self._routes:
+            items, counts = [], []
+            for layer in layers:
+                if layer.name not in mine:
+                    items.append(None)
+                    counts.append(0)
+                    continue
+                a_sum, rows, s_sum, samples = mine[layer.name]
+                extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if _per_sample(
+                    layer) else []
+                items.append([a_sum, s_sum] + extra)
+                counts.append(rows)
+            device = self._layers[0].module.weight.device
+            reduction = (packet.all_reduce(items, device, self.process_group, counts=counts)
+                         if dst is None else
+                         packet.reduce(items, device, dst, self.process_group, counts=counts))
+            self.communicated_bytes += packet.nbytes
+            if dst is not None and dist.get_rank() != dst:
+                continue  # the owner alone holds these sums, and these factors
+            for layer, (sums, rows) in zip(layers, reduction.wait(packet.dtype)):
+                A_sum, S_sum = sums[0], sums[1]
+                samples = sums[2][0] if _per_sample(layer) else rows
+                dev = layer.module.weight.device
+                A = A_sum / rows.clamp(min=1)
+                # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
+                # each rank's g_i being its mean loss's gradient and DDP averaging over P ranks
+                G = S_sum * samples / world / world / scale / scale
+                out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
         return out
 
     def _update_factors(self):
@@ -380,6 +432,8 @@ class KFAC(PreconditionedOptimizer):
 
     def _decompose_all(self):
         for name, s in self._state.items():
+            if not s:  # another rank owns the layer
+                continue
             for key in ("A", "G"):
                 if key not in s:
                     continue
@@ -413,6 +467,49 @@ class KFAC(PreconditionedOptimizer):
         V = G_hat / (1 + self.damping) if "inv_A" not in s else G_hat @ s["inv_A"]
         return V / (1 + self.damping) if "inv_G" not in s else s["inv_G"] @ V
 
+    def _gradient_matrix(self, layer, grads):
+        """G_hat = [grad W | grad b] in the factor dtype (a bias without a gradient: 0)."""
+        G_hat = grads.matrix(layer).to(self._dtype)
+        if layer.has_bias:
+            gb = grads.bias if grads.bias is not None else G_hat.new_zeros(layer.d_out)
+            G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(self._dtype)], dim=1)
+        return G_hat
+
+    def _kl_clip_factor(self, work):
+        """nu = min(1, sqrt(kappa / |lr^2 sum_m <V_m, G_m>|)) as a 0-d tensor (no host
+        sync); owner-placed layers' terms are summed on their owners and all-reduced."""
+        dev = self._layers[0].module.weight.device
+        vg = torch.zeros((), dtype=self._dtype, device=dev)
+        owned = torch.zeros((), dtype=self._dtype, device=dev)
+        for _, _, G_hat, V, owner_placed in work:
+            if V is None:
+                continue
+            term = (V * G_hat).sum().to(dev)
+            if owner_placed:
+                owned = owned + term
+            else:
+                vg = vg + term
+        if any(owner_placed for *_, owner_placed in work):
+            dist.all_reduce(owned, group=next(iter(self._owners.values()))[1])
+            vg = vg + owned
+        lr = self.optimizer.param_groups[0]["lr"]
+        vg = (vg * lr ** 2).abs()
+        # nu = 1 when the sum is 0 (nothing to clip); torch.where keeps it sync-free.
+        nu = torch.where(vg > 0, (self.kl_clip / torch.where(vg > 0, vg, 1.0)).sqrt(), 1.0)
+        return nu.clamp(max=1.0)
+
+    @staticmethod
+    def _write(layer, grads, V):
+        """The layer's gradients <- V (weight columns, then the bias column)."""
+        d = layer.d_in - layer.has_bias
+        matrix = grads.matrix(layer)
+        if grads.sharded:
+            matrix.copy_(V[:, :d])
+        else:
+            layer.type.set_grad_matrix(layer.module, V[:, :d].to(matrix.dtype))
+        if layer.has_bias and grads.bias is not None:
+            grads.bias.copy_(V[:, -1])
+
     @torch.no_grad()
     def precondition(self):
         """Factor / decomposition updates when due, then ``.grad`` <- nu * V."""
@@ -423,36 +520,24 @@ class KFAC(PreconditionedOptimizer):
         if self._steps % self.inv_freq == 0:
             self._decompose_all()
         self._capture.reset()
-        work = []
+        work = []  # (layer, gradients, G_hat, V: None where not computed here, owner-placed)
         for layer in self._layers:
             s, w = self._state[layer.name], layer.module.weight
-            if "decomposed" not in s or w.grad is None:
+            owner = self._owners.get(layer.name)
+            if w.grad is None or (owner is None and "decomposed" not in s):
                 continue
-            grads = FullGradients(layer.module)  # FSDP2: the whole gradients (mkor.fsdp)
-            matrix = grads.matrix(layer)
-            G_hat = matrix.to(self._dtype)
-            if layer.has_bias:
-                gb = grads.bias if grads.bias is not None else G_hat.new_zeros(layer.d_out)
-                G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(self._dtype)], dim=1)
-            work.append((layer, grads, matrix, G_hat, self._apply(layer, s, G_hat)))
-        nu = None
-        if self.kl_clip is not None and work:
-            lr = self.optimizer.param_groups[0]["lr"]
-            vg = torch.stack([(V * G).sum().to(work[0][4].device) for *_, G, V in work]).sum()
-            vg = (vg * lr ** 2).abs()
-            # nu = 1 when the sum is 0 (nothing to clip); torch.where keeps it sync-free.
-            nu = torch.where(vg > 0, (self.kl_clip / torch.where(vg > 0, vg, 1.0)).sqrt(), 1.0)
-            nu = nu.clamp(max=1.0)
-        for layer, grads, matrix, _, V in work:
-            if nu is not None:
-                V = V * nu.to(V.device)
-            d = layer.d_in - layer.has_bias
-            if grads.sharded:
-                matrix.copy_(V[:, :d])
-            else:
-                layer.type.set_grad_matrix(layer.module, V[:, :d].to(matrix.dtype))
-            if layer.has_bias and grads.bias is not None:
-                grads.bias.copy_(V[:, -1])
+            # FSDP2: the whole gradients, on every rank or on the owner (mkor.fsdp)
+            grads = FullGradients(layer.module) if owner is None else OwnerGradients(
+                layer.module, *owner)
+            G_hat = V = None
+            if grads.weight is not None and "decomposed" in s:
+                G_hat = self._gradient_matrix(layer, grads)
+                V = self._apply(layer, s, G_hat)
+            work.append((layer, grads, G_hat, V, owner is not None))
+        nu = self._kl_clip_factor(work) if self.kl_clip is not None and work else None
+        for layer, grads, _, V, _ in work:
+            if V is not None:
+                self._write(layer, grads, V if nu is None else V * nu.to(V.device))
             grads.write_back()
         self._steps += 1
         self._step_scale = None

@@ -37,6 +37,8 @@ def parse(argv=None):
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--inv-freq", type=int, default=5, help="MKOR / K-FAC factor updates")
+    p.add_argument("--factor-placement", choices=("replicated", "owner"), default="replicated",
+                   help="MKOR / K-FAC: every rank holds every factor, or one owner per layer")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--seed", type=int, default=0, help="initial weights")
     p.add_argument("--checkpoint", help="DCP directory: saved after half the steps")
@@ -45,14 +47,13 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def build_optimizer(name, model, lr, inv_freq):
+def build_optimizer(name, model, lr, inv_freq, factor_placement="replicated"):
     if name in ("mkor", "kfac", "adamw"):  # a preconditioner wrapping the model and a backbone
         adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         if name == "adamw":
             return adamw
-        if name == "mkor":
-            return MKOR(model, adamw, inv_freq=inv_freq)
-        return KFAC(model, adamw, inv_freq=inv_freq)
+        kind = MKOR if name == "mkor" else KFAC
+        return kind(model, adamw, inv_freq=inv_freq, factor_placement=factor_placement)
     if name == "mars":
         return MARS(model.parameters(), lr=lr, weight_decay=0.01)
     # MARS-M: Muon's rule for the hidden matrices, AdamW for embeddings, head and norms
@@ -98,7 +99,8 @@ def main(argv=None):
     for layer in model.model.layers:  # each decoder layer its own FSDP unit, then the root
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = build_optimizer(args.optimizer, model, args.lr, args.inv_freq)  # after fully_shard
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.inv_freq,
+                                args.factor_placement)  # after fully_shard
 
     half, start, losses = args.steps // 2, 0, {}
     if args.resume:  # the protocol of torch's DCP tutorial

@@ -161,15 +161,25 @@ class Packet:
     def all_reduce(self, items, device, group=None, async_op=False, counts=None):
         """Pack ``items`` and SUM-all-reduce the buffer (no-op on one rank); returns a
         :class:`Reduction` to :meth:`~Reduction.wait` on."""
+        return self._sum(items, device, group, async_op, counts, dst=None)
+
+    def reduce(self, items, device, dst, group=None, counts=None):
+        """Pack ``items`` and SUM-reduce the buffer to the global rank ``dst`` alone (the
+        :class:`Reduction` holds the sums there, and an undefined buffer elsewhere)."""
+        return self._sum(items, device, group, False, counts, dst=dst)
+
+    def _sum(self, items, device, group, async_op, counts, dst):
         world = world_size(group)
         if world > _EXACT_COUNTS[self.dtype]:
             raise ValueError(f"comm_dtype {self.dtype} counts ranks exactly only up to "
                              f"{_EXACT_COUNTS[self.dtype]}, got {world} ranks")
         buffer = self.pack(items, device, counts)
         work = None
-        if world > 1:
+        if world > 1 and dst is None:
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group,
                                    async_op=async_op)
+        elif world > 1:
+            dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=group)
         return Reduction(self, buffer, work if async_op else None, world)
 
 

@@ -1,5 +1,5 @@
 r"""MKOR and K-FAC on FSDP2 (``fully_shard``) models: which sharding is supported, and the
-sharded gradient preconditioned exactly with replicated factors.
+sharded gradient preconditioned exactly, with replicated or owner-per-layer factors.
 
 Under FSDP2 a layer's forward and backward run on the *unsharded* weight, so the hooks see
 full-width input rows and output gradients of the rank's own batch: the statistics, and
@@ -25,11 +25,14 @@ gathering Y = Ĝ_local R^{-1} would move the same, and the gathered Ĝ also give
 **Owner-per-layer** factors (``factor_placement="owner"``): each sharded layer's factors live
 on one rank of the gradient's mesh, chosen by :func:`assign_owners` (greedy longest-first on
 the factor entries d_out^2 + d_in'^2, ties to the lower rank: deterministic, the same on every
-rank). The owner alone updates them (the vectors are still all-reduced, O(d)), and each step
-:class:`OwnerGradients` gathers the layer's gradient rows to the owner (``gather``), which
-preconditions the whole gradient and sends each rank its rows back (``scatter``): two
-gradient-sized moves that touch only the owner's link, and factor memory divided by the world
-size. Layers whose gradients are plain tensors keep replicated factors.
+rank). The owner alone updates them (MKOR's vectors are still all-reduced, O(d); K-FAC
+reduces its O(d^2) sums to the owner alone), and each step :class:`OwnerGradients` gathers
+the layer's gradient rows to the owner (``gather``), which preconditions the whole gradient
+and sends each rank its rows back (``scatter``): two gradient-sized moves that touch only
+the owner's link, and factor memory divided by the world size. A rank keeps no state at all
+for a layer it does not own (:func:`owns`), so a distributed checkpoint holds one copy of
+each layer's state, the owner's. Layers whose gradients are plain tensors keep replicated
+factors.
 
 Supported: parameters that are plain tensors, or DTensors placed by FSDP2 (a module of the
 model, or an ancestor of the layer, is an ``FSDPModule``) as ``Shard(0)`` on a 1-D mesh or
@@ -46,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
-           "assign_owners", "owner_map"]
+           "assign_owners", "owner_map", "owns"]
 
 SUPPORTED_PLACEMENTS = ("plain tensors, or FSDP2 fully_shard DTensors placed Shard(0) on a 1-D "
                         "mesh or (Replicate(), Shard(0)) on an HSDP mesh")
@@ -183,6 +186,15 @@ def owner_map(layers, placement, owner):
              for l in sharded}
     group = mesh.get_group()
     return {name: (rank, group) for name, rank in assign_owners(costs, mesh.size()).items()}
+
+
+def owns(owners, name):
+    """Whether this rank keeps ``name``'s factors: always, unless :func:`owner_map` gave
+    them to another rank."""
+    if name not in owners:
+        return True
+    rank, group = owners[name]
+    return dist.get_rank(group) == rank
 
 
 class OwnerGradients(_Gradients):

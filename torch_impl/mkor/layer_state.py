@@ -20,20 +20,20 @@ from .fsdp import FullGradients, OwnerGradients
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
 
 
-def initial_layer_state(layer, factor_dtype, factors=True):
-    """Identity factors and zero counters on the layer's device; a side the size guard
-    leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no factor, and
-    neither does a layer whose factors another rank owns (``factors=False``)."""
-    dev = layer.module.weight.device
+def initial_layer_state(layer, factor_dtype, device=None):
+    """Identity factors and zero counters on ``device`` (default: the layer's); a side the
+    size guard leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no
+    factor."""
+    dev = layer.module.weight.device if device is None else device
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     false = torch.zeros((), dtype=torch.bool, device=dev)
     state = {"updates_a": zero.clone(), "updates_g": zero.clone(),
              "reset_a": false.clone(), "reset_g": false.clone(),
              "non_finite": zero.clone(), "overflow": zero.clone(), "no_rows": zero.clone(),
              "fired": zero.clone()}
-    if factors and not layer.identity_L:
+    if not layer.identity_L:
         state["L_inv"] = torch.eye(layer.d_out, dtype=factor_dtype, device=dev)
-    if factors and not layer.identity_R:
+    if not layer.identity_R:
         state["R_inv"] = torch.eye(layer.d_in, dtype=factor_dtype, device=dev)
     return state
 

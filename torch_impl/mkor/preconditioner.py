@@ -28,7 +28,7 @@ from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, world_size
 from .factors import RELEASED_THRESHOLD
-from .fsdp import check_supported_sharding, owner_map
+from .fsdp import check_supported_sharding, owner_map, owns
 from .hybrid import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
@@ -233,23 +233,25 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
 
     def inverse_factors(self):
         """{name: (L_inv, R_inv)}: the stored inverse factors, None for a side the size
-        guard leaves at the identity ({} after the switch)."""
+        guard leaves at the identity or whose factors another rank owns ({} after the
+        switch)."""
         return {name: (s.get("L_inv"), s.get("R_inv")) for name, s in self._state.items()}
 
     def counters(self):
         """{name: {...}} of 0-d tensors: factor updates refused for ``non_finite``
         statistics and for an ``overflow`` of the update, updates sat out with ``no_rows``,
-        stabiliser ``fired`` count, ``updates_a`` / ``updates_g`` and deferred flags."""
+        stabiliser ``fired`` count, ``updates_a`` / ``updates_g`` and deferred flags; for
+        the layers whose state this rank keeps (all but those another rank owns)."""
         keys = ("non_finite", "overflow", "no_rows", "fired", "updates_a", "updates_g",
                 "reset_a", "reset_g")
-        return {name: {k: s[k] for k in keys} for name, s in self._state.items()}
+        return {name: {k: s[k] for k in keys} for name, s in self._state.items() if s}
 
     @property
     def skipped_updates(self):
         """Total factor updates refused (non-finite statistics or an overflowing update; a
         tensor: reading its value is a host sync, done by the caller). Layers without rows
         are not refused updates: see ``counters()[name]["no_rows"]``."""
-        counts = [s["non_finite"] + s["overflow"] for s in self._state.values()]
+        counts = [s["non_finite"] + s["overflow"] for s in self._state.values() if s]
         if not counts:
             return torch.zeros((), dtype=torch.int64)
         return torch.stack([c.to(counts[0].device) for c in counts]).sum()
@@ -261,22 +263,37 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
 
     # -- state --------------------------------------------------------------------------
     def _initial_state(self, layer):
-        return initial_layer_state(layer, self.options.factor_dtype,
-                                   factors=self._owns(layer.name))
+        """A fresh layer state; none at all on a rank that does not own the layer, so each
+        entry lives on one rank and DCP (which saves one copy of an entry several ranks
+        hold, from a rank of its choosing) saves the owner's."""
+        if not self._owns(layer.name):
+            return {}
+        return initial_layer_state(layer, self.options.factor_dtype)
 
+    def _released_state(self):
+        """After the switch the factors are freed, but a checkpoint keeps the layout of a
+        fresh state: DCP loads into a fresh optimizer's state dict and refuses an entry the
+        checkpoint lacks. Every entry is a zero of its shape with one element of storage
+        behind it (an ``expand``), so this costs no memory and saves no matrix."""
+        out = {}
+        for layer in self._layers:
+            if not self._owns(layer.name):
+                out[layer.name] = {}
+                continue
+            layout = initial_layer_state(layer, self.options.factor_dtype, device="meta")
+            dev = layer.module.weight.device
+            out[layer.name] = {k: torch.zeros((), dtype=v.dtype, device=dev).expand(v.shape)
+                               for k, v in layout.items()}
+        return out
     def _owns(self, name):
-        """Whether this rank keeps ``name``'s factors (always, unless another rank owns them)."""
-        if name not in self._owners:
-            return True
-        rank, group = self._owners[name]
-        return torch.distributed.get_rank(group) == rank
+        return owns(self._owners, name)
 
     def preconditioner_state_dict(self):
         """MKOR's own state: factors and counters (by module name), step count, switch
         state and buffered losses, loss scale."""
-        return {"steps": self._steps, "switched": self._switched,
-                "layers": {n: {k: v.clone() for k, v in s.items()}
-                           for n, s in self._state.items()},
+        layers = (self._released_state() if self._switched else
+                  {n: {k: v.clone() for k, v in s.items()} for n, s in self._state.items()})
+        return {"steps": self._steps, "switched": self._switched, "layers": layers,
                 "rule": None if self._rule is None else self._rule.state_dict(),
                 "losses": None if self._feed is None else self._feed.state_dict(),
                 "grad_scale": self._grad_scale}
@@ -292,6 +309,12 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                                  f"the preconditioned modules {sorted(names)}")
             for name, saved in state["layers"].items():
                 own = self._state[name]
+                if not own:  # another rank owns the layer: its state is not kept here
+                    continue
+                if not saved:
+                    raise ValueError(f"{name}: the state_dict holds no state for this layer "
+                                     "(saved by a rank that did not own it? save owner-placed "
+                                     "factors with torch.distributed.checkpoint)")
                 saved = _upgrade_counters(saved)
                 if set(saved) != set(own):
                     raise ValueError(f"{name}: state keys {sorted(saved)} != {sorted(own)} "
