@@ -4,27 +4,35 @@
 ``python -m figures.bench.fsdp2 [--worlds 1 2 4] [--width 512] [--layers 4] [--batch 64]
 [--steps 8] [--json PATH]`` forks gloo CPU ranks (one thread each) and trains an MLP of
 ``--layers`` x ``Linear(width, width)`` (ReLU between, every width divisible by the world
-sizes) with SGD under MKOR (``factor_placement`` ``"replicated"`` and ``"owner"``, factors
-updated every step: ``inv_freq=1``) and K-FAC (replicated, factor EMAs every step:
-``factor_freq=1``), each under FSDP2 (``fully_shard`` per Linear, then the root) and under
-DDP, the same model, seed and per-rank batch.
+sizes) with SGD under MKOR (factors updated every step: ``inv_freq=1``) and K-FAC (factor
+EMAs every step: ``factor_freq=1``), each with ``factor_placement`` ``"replicated"`` and
+``"owner"``, each under FSDP2 (``fully_shard`` per Linear, then the root) and under DDP
+(where there is nothing sharded to own, so both placements replicate), the same model, seed
+and per-rank batch.
 
 Bytes: one step (after one warm-up step) runs under a ``TorchDispatchMode`` that sees every
 ``c10d`` / ``_c10d_functional`` collective this process issues (nothing in the library is
 changed) and files it by the phase it ran in and its kind: in forward/backward, FSDP2's
 parameter all-gathers and gradient reduce-scatters (or DDP's gradient all-reduce); in
-``step()``, the statistics all-reduce (MKOR's O(d) (a_bar, g_bar) buffer, K-FAC's O(d^2)
-factors) and the preconditioning's gradient moves (replicated: ``full_tensor`` all-gathers;
-owner: ``gather`` to the owner and ``scatter`` back). Logical bytes per rank: an all-reduce
-counts its buffer (``communicated_bytes``' convention, what a rank contributes and gets back;
-a ring moves 2(P-1)/P of it each way), an all-gather (reduce-scatter) the P-1 shards the rank
-receives (sends), a ``gather`` / ``scatter`` the rows actually sent to or from the root.
-:func:`formulas` gives the same numbers from the layer shapes alone; the test
+``step()``, the statistics (MKOR's O(d) (a_bar, g_bar) buffer and replicated K-FAC's O(d^2)
+sums: ``all_reduce``; owner-placed K-FAC: one ``reduce`` per owning rank of the packet of its
+layers), owner-placed K-FAC's KL-clip (one ``all_reduce`` of a 0-d tensor: the owners'
+partial sums), and the preconditioning's gradient moves (replicated: ``full_tensor``
+all-gathers; owner: ``gather`` to the owner and ``scatter`` back). Logical bytes per rank:
+an all-reduce counts its buffer as sent and received (``communicated_bytes``' convention,
+what a rank contributes and gets back; a ring moves 2(P-1)/P of it each way); a reduce
+counts the buffer as sent by every rank, the root included (what it contributes to the sum:
+``payload_bytes``' convention), and as received on the root alone (a tree or ring moves
+about (P-1)/P of it per link, not modelled); an all-gather (reduce-scatter) the P-1 shards
+the rank receives (sends); a ``gather`` / ``scatter`` the rows actually sent to or from the
+root. :func:`formulas` gives the same numbers from the layer shapes alone; the test
 ``theory_tests/figures/test_fsdp2_bench.py`` holds the counts to it.
 
-Factor memory: the stored factors' bytes on the rank (MKOR ``inverse_factors()``, K-FAC
-``factors()``, the EMAs A, G; its eigen-decompositions come on top). Time: steps of FSDP2
-and DDP interleaved, each the slowest rank's wall time, the ratio of the medians.
+Factor memory: the bytes of every tensor (but the 0-d counters) in the rank's
+``preconditioner_state_dict()["layers"]``: MKOR's inverse factors L^-1, R^-1; K-FAC's EMAs
+A, G *and* their decompositions (``eig_A``, ``eig_G``: eigenvalues and eigenvectors), about
+twice MKOR's. A rank keeps an empty state for a layer another rank owns. Time: steps of
+FSDP2 and DDP interleaved, each the slowest rank's wall time, the ratio of the medians.
 Times on a machine with fewer cores than ranks are indicative only; bytes are exact.
 """
 import argparse
@@ -44,9 +52,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from figures.bench.forked_ranks import run_ranks
 from torch_impl import KFAC, MKOR
 
-CONFIGS = (("MKOR", "replicated"), ("MKOR", "owner"), ("K-FAC", "replicated"))
-KINDS = ("stats_all_reduce", "precond_gather", "precond_scatter", "fsdp_all_gather",
-         "fsdp_reduce_scatter", "ddp_all_reduce", "other")
+CONFIGS = (("MKOR", "replicated"), ("MKOR", "owner"), ("K-FAC", "replicated"),
+           ("K-FAC", "owner"))
+KINDS = ("stats_all_reduce", "stats_reduce", "kl_all_reduce", "precond_gather",
+         "precond_scatter", "fsdp_all_gather", "fsdp_reduce_scatter", "ddp_all_reduce", "other")
 ITEMSIZE = 4  # float32
 
 
@@ -71,9 +80,19 @@ class CommCounter(TorchDispatchMode):
 
     def _count(self, name, args):
         step = self.phase == "step"
-        if name == "allreduce_":
+        if name == "allreduce_":  # (tensors, group, op, ...)
             n = sum(t.nbytes for t in args[0])
-            self._add("stats_all_reduce" if step else "ddp_all_reduce", n, n)
+            if not step:
+                kind = "ddp_all_reduce"
+            elif all(t.ndim == 0 for t in args[0]):  # K-FAC owner's KL-clip partial sums
+                kind = "kl_all_reduce"
+            else:                                    # a flat statistics packet
+                kind = "stats_all_reduce"
+            self._add(kind, n, n)
+        elif name == "reduce_" and step:  # (tensors, group, op, root's rank in group, ...)
+            n = sum(t.nbytes for t in args[0])  # K-FAC owner: a packet to its owner
+            root = dist.ProcessGroup.unbox(args[1]).rank() == args[3]
+            self._add("stats_reduce", n, n if root else 0)
         elif name == "_allgather_base_":  # (output, input, group): FSDP2's parameters
             out, inp = args[0], args[1]
             n = out.nbytes - inp.nbytes
@@ -134,20 +153,32 @@ def build(args, parallel, optimizer, placement):
     if optimizer == "MKOR":
         pre = MKOR(model, sgd, inv_freq=1, factor_placement=placement)
     else:
-        pre = KFAC(model, sgd, factor_freq=1)
+        pre = KFAC(model, sgd, factor_freq=1, factor_placement=placement)
     return model, pre
 
 
+def _layer_states(pre):
+    """{layer name: state dict} of MKOR or K-FAC; {} for a layer another rank owns."""
+    return pre.preconditioner_state_dict()["layers"]
+
+
 def factor_bytes(pre):
-    pairs = pre.inverse_factors() if isinstance(pre, MKOR) else pre.factors()
-    return sum(t.nbytes for pair in pairs.values() for t in pair if t is not None)
+    """Bytes of every matrix (and vector) the preconditioner stores on this rank: MKOR's
+    inverse factors, K-FAC's EMAs A, G and their decompositions (``eig_*``: eigenvalues and
+    eigenvectors, or ``inv_*``); the 0-d counters are left out."""
+    total = 0
+    for state in _layer_states(pre).values():
+        for value in state.values():
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor) and t.ndim > 0:
+                    total += t.nbytes
+    return total
 
 
-def owned_layers(pre, layers):
-    """Indices of the layers whose factors this rank stores."""
-    held = pre.inverse_factors()
-    names = [n for n in held if any(t is not None for t in held[n])]
-    return sorted(int(n.split(".")[-1]) // 2 for n in names)
+def owned_layers(pre):
+    """Indices of the layers whose factors this rank stores (a non-empty state)."""
+    return sorted(int(name.split(".")[-1]) // 2
+                  for name, state in _layer_states(pre).items() if state)
 
 
 def formulas(w, world, optimizer, placement, parallel, owned=None, itemsize=ITEMSIZE):
@@ -158,10 +189,19 @@ def formulas(w, world, optimizer, placement, parallel, owned=None, itemsize=ITEM
     dims = [(w[i + 1], w[i] + 1) for i in range(len(w) - 1)]  # (d_out, d_in')
     out = {k: [0, 0] for k in KINDS}
     if optimizer == "MKOR":
-        stats = sum(d_out + d_in for d_out, d_in in dims) * itemsize
+        per_layer = [(d_out + d_in) * itemsize for d_out, d_in in dims]
     else:
-        stats = sum(d_out ** 2 + d_in ** 2 for d_out, d_in in dims) * itemsize
-    if P > 1:
+        per_layer = [(d_out ** 2 + d_in ** 2) * itemsize for d_out, d_in in dims]
+    stats = sum(per_layer)
+    if optimizer == "K-FAC" and placement == "owner" and parallel == "fsdp2":
+        # every Linear is sharded, so owner-placed: one reduce per owning rank of its layers'
+        # packet (no extra count entries: with a bias, A's corner carries the row count);
+        # every rank contributes every packet, and receives the packet of the layers it owns
+        if P > 1:
+            out["stats_reduce"] = [stats, sum(per_layer[i] for i in owned)]
+        # the KL-clip's one 0-d all-reduce of the owners' partial sums (on one rank too)
+        out["kl_all_reduce"] = [itemsize, itemsize]
+    elif P > 1:
         out["stats_all_reduce"] = [stats, stats]
     if parallel == "ddp":
         grads = sum(d_out * d_in for d_out, d_in in dims) * itemsize
@@ -222,12 +262,8 @@ def _rank(rank, world, args):
                 _timed_step(model, pre, x, y, counter)
             row[parallel] = dict(bytes=counter.bytes, unknown=counter.unknown,
                                  factor_bytes=factor_bytes(pre), times=[])
-            if isinstance(pre, MKOR):
-                row[parallel]["payload_bytes"] = pre.payload_bytes
-                row[parallel]["owned"] = owned_layers(pre, args.layers)
-            else:
-                row[parallel]["payload_bytes"] = pre.payload_bytes
-                row[parallel]["owned"] = list(range(args.layers))
+            row[parallel]["payload_bytes"] = pre.payload_bytes
+            row[parallel]["owned"] = owned_layers(pre)
         for _ in range(args.steps):  # interleaved
             for parallel, (model, pre) in runs.items():
                 row[parallel]["times"].append(_slowest(_timed_step(model, pre, x, y)))
@@ -285,20 +321,23 @@ def tables(rows, args):
              f"({params * ITEMSIZE / 2**20:.2f} MB of float32 parameters), per-rank batch "
              f"{args.batch}; KB per rank and step, the largest over the ranks, "
              f"counted (formula):", "",
-             "| optimizer | placement | ranks | statistics all-reduce | precond. gather "
-             "sent / recv | precond. scatter sent / recv | FSDP2 all-gather recv "
+             "| optimizer | placement | ranks | statistics all-reduce | statistics reduce "
+             "sent / recv | KL-clip all-reduce (B) | precond. gather sent / recv "
+             "| precond. scatter sent / recv | FSDP2 all-gather recv "
              "| FSDP2 reduce-scatter sent | DDP grad all-reduce | counts = formula |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def cf(row, parallel, kind, j):
+    def cf(row, parallel, kind, j, unit=_kb):
         c = row[parallel]["counted_max"][kind][j]
         f = row[parallel]["formula_max"][kind][j]
-        return f"{_kb(c)} ({_kb(f)})"
+        return f"{unit(c)} ({unit(f)})"
 
     for r in rows:
         lines.append(
             f"| {r['optimizer']} | {r['placement']} | {r['world']} "
             f"| {cf(r, 'fsdp2', 'stats_all_reduce', 0)} "
+            f"| {cf(r, 'fsdp2', 'stats_reduce', 0)} / {cf(r, 'fsdp2', 'stats_reduce', 1)} "
+            f"| {cf(r, 'fsdp2', 'kl_all_reduce', 0, str)} "
             f"| {cf(r, 'fsdp2', 'precond_gather', 0)} / {cf(r, 'fsdp2', 'precond_gather', 1)} "
             f"| {cf(r, 'fsdp2', 'precond_scatter', 0)} / {cf(r, 'fsdp2', 'precond_scatter', 1)} "
             f"| {cf(r, 'fsdp2', 'fsdp_all_gather', 1)} "

@@ -40,6 +40,18 @@ VARIANTS = {
     # switched before the checkpoint is written (SAVE_AT): the hand-over must survive DCP
     "paper_switched": dict(kind="mkor", variant="paper", inv_freq=1, factor_dtype="float64",
                            switch_step=1),
+    # MKOR-H's loss-rate rule, every check slow. Checking every step with patience 2, the
+    # checkpoint at step 2 holds the rule mid-way (one slow check: the second, at step 2,
+    # switches); checking every 3 steps with patience 1, it holds two buffered losses (the
+    # first check reads the losses of steps 0-2 at step 2 and switches). Losing either
+    # moves the switch.
+    "paper_rate": dict(kind="mkor", variant="paper", inv_freq=1, factor_dtype="float64",
+                       hybrid_switch="loss_rate", switch_window=1, switch_check_every=1,
+                       switch_threshold=1e9, switch_patience=2),
+    "paper_rate_buffered": dict(kind="mkor", variant="paper", inv_freq=1,
+                                factor_dtype="float64", hybrid_switch="loss_rate",
+                                switch_window=1, switch_check_every=3, switch_threshold=1e9,
+                                switch_patience=1),
 }
 
 
@@ -76,7 +88,7 @@ def _train(model, options, rank=None, world=1):
         x, y = _batch(t)
         if rank is not None:
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        Fn.mse_loss(model(x), y).backward()
+        _backward(pre, Fn.mse_loss(model(x), y))
         pre.step()
         opt.zero_grad()
     out = {"params": [_full(p.detach()).clone() for p in model.parameters()],
@@ -88,6 +100,13 @@ def _train(model, options, rank=None, world=1):
     if isinstance(pre, MKOR):
         out["switched"] = pre.switched
     return out
+
+
+def _backward(pre, loss):
+    """The backward pass, and the loss fed to MKOR-H's loss-rate rule when it has one."""
+    loss.backward()
+    if isinstance(pre, MKOR) and pre.options.hybrid_switch == "loss_rate":
+        pre.observe_loss(loss.detach())
 
 
 def _factors(pre):
@@ -140,7 +159,7 @@ def test_fsdp2_ranks_equal_one_process_on_the_whole_batch(ranks, name):
         _assert_close(result[name], reference, f"{name}, rank {rank} of {world}")
     if "switched" in reference:
         assert all(r[name]["switched"] == reference["switched"] for r in results)
-    if name == "paper_switch":
+    if name in ("paper_switch", "paper_rate", "paper_rate_buffered"):
         assert reference["switched"]
     if name.endswith("_owner"):  # every factor on exactly one rank; memory divided among them
         for layer, pair in reference["factors"].items():
@@ -357,7 +376,7 @@ SAVE_AT = 2
 def _dcp_train(model, pre, opt, steps, rank, world):
     for t in steps:
         x, y = _batch(t)
-        Fn.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        _backward(pre, Fn.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]))
         pre.step()
         opt.zero_grad()
 
@@ -432,17 +451,18 @@ def _assert_same_state(a, b, what):
 
 
 @pytest.mark.parametrize("name", ["paper", "kfac", "paper_owner", "kfac_owner",
-                                  "paper_switched"])
+                                  "paper_switched", "paper_rate", "paper_rate_buffered"])
 def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
     """MKOR / K-FAC under FSDP2 through get_state_dict + dcp.save on 2 ranks, dcp.load +
-    set_state_dict on 3 and on 1:
+    set_state_dict on 2, 3 and 1:
 
     * the preconditioner's whole state (every layer's factors and counters, merged over the
       ranks that hold them; the step count; MKOR-H's switch and rule state) comes back bit
       for bit, whichever ranks own the layers before and after;
     * the resumed run equals one process on the whole batch (1e-12; the first steps summed
-      over 2 ranks, the last over 3 or 1). The frozen layer's weight (never trained) checks
-      the model load too: the fresh model starts from another seed."""
+      over 2 ranks, the last over 3 or 1), and on 2 ranks the uninterrupted 2-rank run bit
+      for bit. The frozen layer's weight (never trained) checks the model load too: the
+      fresh model starts from another seed."""
     root = str(tmp_path / "ckpt")
     saved = _whole_state(run(_dcp_job, 2, root, name, True), f"{name} saved")
     assert all(saved["layers"].values())  # every layer's state is on some rank
@@ -452,9 +472,13 @@ def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
     else:
         assert saved["steps"] == SAVE_AT
     reference = _single(name)
-    for world in (3, 1):
+    uninterrupted = run(_job, 2, (name,))
+    for world in (2, 3, 1):
         results = run(_dcp_job, world, root, name, False)
         restored = _whole_state([r["restored"] for r in results], f"{name} on {world}")
         _assert_same_state(restored, saved, f"{name}: 2 -> {world} ranks")
         for rank, result in enumerate(results):
             _assert_close(result, reference, f"{name}, resumed on rank {rank} of {world}")
+            if world == 2:  # the same ranks and shards: the uninterrupted run, bit for bit
+                for a, b in zip(result["params"], uninterrupted[rank][name]["params"]):
+                    assert torch.equal(a, b), f"{name}, resumed on rank {rank} of 2"

@@ -442,6 +442,12 @@ MUTANTS = {
         # template asks for entries the checkpoint lacks
         Mutant(T_P, "        layers = (self._released_state() if self._switched else",
                "        layers = ({} if self._switched else"),
+        # MKOR-H's buffered losses kept per rank (a checkpoint would hold one rank's), or its
+        # rule's state (slow checks, recent means) not restored
+        Mutant(T_H, "        self.buffer.append(loss if self.mean is None else self.mean(loss))",
+               "        self.buffer.append(loss)"),
+        Mutant(T_P, "        if self._rule is not None and state.get(\"rule\") is not None:",
+               "        if False:"),
     ],
 }
 

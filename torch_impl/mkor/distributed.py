@@ -51,8 +51,7 @@ import torch.distributed as dist
 
 from .capture import Capture
 
-__all__ = ["world_size", "Packet", "Reduction", "VectorExchange", "OverlapCapture",
-           "mean_over_ranks"]
+__all__ = ["world_size", "Packet", "Reduction", "VectorExchange", "OverlapCapture"]
 
 _EXACT_COUNTS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8,
                  torch.float32: 2 ** 24, torch.float64: 2 ** 53}
@@ -273,14 +272,6 @@ class VectorExchange:
         if self._inflight is not None:
             self._inflight[0].finish()
             self._inflight = None
-
-
-def mean_over_ranks(values, device, group=None):
-    """The mean of each of a list of Python floats over the ranks (one all-reduce; the
-    caller has already synchronised to produce the floats). Identical on every rank."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return (t / world_size(group)).tolist()
 
 
 class OverlapCapture(Capture):

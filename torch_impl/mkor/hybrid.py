@@ -23,8 +23,9 @@ caller's host synchronisation, never the preconditioner's.
 import math
 
 import torch
+import torch.distributed as dist
 
-from .distributed import mean_over_ranks, world_size
+from .distributed import world_size
 from .hook_objects import CopyInertHook
 from ..common.validation import check_int, check_number
 
@@ -125,16 +126,22 @@ class LossFeed:
     dict with a scalar ``loss``, as every transformers model returns; the mean over the
     micro-batches of a step whose backward ran). Tensors wait in a buffer until the rule can act, i.e. until
     the next loss completes a multiple of ``check_every``; then one ``tolist()`` reads them
-    all (one synchronisation per ``check_every`` steps, and, distributed, one all-reduce for
-    the mean over ranks). The rule only decides at those steps, so its decisions, rates and
-    switch step are those of feeding every loss at once.
+    all (one synchronisation per ``check_every`` steps). The rule only decides at those
+    steps, so its decisions, rates and switch step are those of feeding every loss at once.
+
+    Distributed, each loss is replaced by its mean over the ranks as it is buffered (``mean``:
+    one 0-d all-reduce, no host sync), so the buffer is the same on every rank. A checkpoint
+    then carries the run's losses whichever rank's copy it keeps (DCP saves one copy of an
+    entry several ranks hold; ``torch.save`` of rank 0's state dict is one rank's too), and
+    it resumes at any world size. (Averaging at the read instead would save one rank's own
+    losses, and a resumed run would average that rank's losses with themselves.)
     """
 
-    def __init__(self, rule, reduce=None):
+    def __init__(self, rule, mean=None):
         self.rule = rule
-        self.reduce = reduce  # callable(list of floats) -> list of floats, or None
-        self.buffer = []      # losses not yet fed to the rule
-        self.tapped = []      # this step's losses read from the model output
+        self.mean = mean    # callable(loss) -> its mean over the ranks, or None
+        self.buffer = []    # losses not yet fed to the rule
+        self.tapped = []    # this step's losses read from the model output
 
     def tap(self, output):
         """Forward hook body: a scalar ``loss`` of the model's output counts once its
@@ -155,7 +162,8 @@ class LossFeed:
 
     def push(self, loss):
         """Buffer one step's loss; returns True when the rule should now be fed."""
-        self.buffer.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self.buffer.append(loss if self.mean is None else self.mean(loss))
         return (self.rule.t + len(self.buffer)) % self.rule.check_every == 0
 
     def flush(self):
@@ -168,8 +176,6 @@ class LossFeed:
             read = iter(torch.stack([t.to(tensors[0].device, torch.float64)
                                      for t in tensors]).tolist())
             values = [next(read) if isinstance(v, torch.Tensor) else v for v in values]
-        if self.reduce is not None:
-            values = self.reduce(values)
         for value in values:
             if self.rule.observe(value):
                 return True
@@ -239,11 +245,16 @@ class HybridSwitching:
         if self._rule is not None:
             self._rule.force(self._steps)
 
-    def _mean_over_ranks(self, values):
-        if world_size(self.process_group) == 1:
-            return values
+    def _mean_over_ranks(self, loss):
+        """A loss (0-d tensor or float) as its mean over the ranks, a 0-d float64 tensor
+        (one all-reduce, no host sync); unchanged on one rank."""
+        world = world_size(self.process_group)
+        if world == 1:
+            return loss
         device = self._layers[0].module.weight.device if self._layers else "cpu"
-        return mean_over_ranks(values, device, self.process_group)
+        total = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(()).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.process_group)
+        return total / world
 
     def observe_loss(self, loss):
         """Feed this step's loss to the MKOR-H rule (a float, or a tensor: buffered and read
