@@ -4,14 +4,17 @@ one process on the whole batch (issue 23; ``torch_impl/mkor/fsdp.py``).
 Each rank runs an equal slice of the global batch through a ``fully_shard``ed model: the
 hooks see the unsharded layers, MKOR all-reduces (a_bar, g_bar) as under DDP, and every
 weight and bias gradient is a ``Shard(0)`` DTensor that the preconditioner gathers whole,
-preconditions with its replicated factors and writes back to the rank's rows. The model is
+preconditions with its replicated factors and writes back to the rank's rows (or, with
+``factor_placement="owner"``, gathers to the layer's owner, which preconditions and scatters
+the rows back). HSDP's ``(Replicate(), Shard(0))`` is held to the same equality. The model is
 awkward on purpose: a layer of 7 rows (divides by none of 2, 3, 4), one of 2 rows (smaller
 than 3 and 4 ranks: empty shards), a bias-free layer, a frozen layer (``requires_grad``
 False: it is left to the backbone), and mixed ``fully_shard`` granularity (two layers on
 their own, the rest under the root). float64; 1e-12 relative covers the different
 summation order of the sharded reductions. A control preconditions each rank's *local*
 shard as if it were the whole gradient (what a port without the gather computes) and
-differs: the comparison can fail.
+differs: the comparison can fail. Distributed checkpoints of these runs:
+``test_mkor_fsdp2_checkpoints.py``.
 """
 import pytest
 import torch
@@ -55,8 +58,8 @@ VARIANTS = {
 }
 
 
-def _model():
-    torch.manual_seed(0)
+def _model(seed=0):
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2), nn.Tanh(),
                           nn.Linear(2, 3, bias=False), nn.Tanh(), nn.Linear(3, 4), nn.Tanh(),
                           nn.Linear(4, 3)).double()
@@ -80,17 +83,27 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train(model, options, rank=None, world=1):
+def _build(model, options):
+    """SGD with momentum on the trainable parameters, under the preconditioner ``options``."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
                           momentum=0.9)
-    pre = _preconditioner(model, opt, options)
-    for t in range(STEPS):
+    return opt, _preconditioner(model, opt, options)
+
+
+def _run(model, pre, opt, steps, rank=None, world=1):
+    """The steps ``steps`` of the global batches, on this rank's slice (``rank`` None: all)."""
+    for t in steps:
         x, y = _batch(t)
         if rank is not None:
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         _backward(pre, Fn.mse_loss(model(x), y))
         pre.step()
         opt.zero_grad()
+
+
+def _train(model, options, rank=None, world=1):
+    opt, pre = _build(model, options)
+    _run(model, pre, opt, range(STEPS), rank, world)
     out = {"params": [_full(p.detach()).clone() for p in model.parameters()],
            "factors": _factors(pre)}
     # every matrix the preconditioner keeps: MKOR's inverses, K-FAC's EMAs and eigenbases
@@ -366,119 +379,3 @@ def test_unsupported_sharding_is_refused_by_name(how):
             assert all("2.weight" in m and "no fully_shard placed" in m for m in messages)
         else:  # Linear(2, 3): the first weight with an even column count
             assert all("4.weight" in m and "(Shard(dim=1),)" in m for m in messages)
-
-
-# -- distributed checkpoints: saved on 2 ranks, resumed on 3 and on 1 --------------------------
-
-SAVE_AT = 2
-
-
-def _dcp_train(model, pre, opt, steps, rank, world):
-    for t in steps:
-        x, y = _batch(t)
-        _backward(pre, Fn.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]))
-        pre.step()
-        opt.zero_grad()
-
-
-def _dcp_job(rank, world, root, name, save):
-    """``save``: train SAVE_AT steps and checkpoint; else load into a fresh model (another
-    seed, so the load must overwrite it) and train the remaining steps."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model = _shard(_model() if save else _reseeded_model())
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
-                          momentum=0.9)
-    pre = _preconditioner(model, opt, VARIANTS[name])
-    if save:
-        _dcp_train(model, pre, opt, range(SAVE_AT), rank, world)
-        model_sd, optim_sd = get_state_dict(model, pre)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
-        return pre.preconditioner_state_dict()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's zero-gradient init step captures nothing
-        model_sd, optim_sd = get_state_dict(model, pre)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=root)
-        set_state_dict(model, pre, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-    restored = pre.preconditioner_state_dict()
-    _dcp_train(model, pre, opt, range(SAVE_AT, STEPS), rank, world)
-    return {"params": [_full(p.detach()).clone() for p in model.parameters()],
-            "restored": restored, "factors": _factors(pre)}
-
-
-def _reseeded_model():
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2), nn.Tanh(),
-                          nn.Linear(2, 3, bias=False), nn.Tanh(), nn.Linear(3, 4), nn.Tanh(),
-                          nn.Linear(4, 3)).double()
-    model[6].requires_grad_(False)
-    return model
-
-
-def _whole_state(states, what):
-    """One preconditioner state from every rank's ``preconditioner_state_dict()``: each
-    layer's entries merged over the ranks that hold them, which must hold the same values
-    bit for bit (a rank holds a layer's state whole or not at all: DCP saves one copy of an
-    entry several ranks hold, from whichever rank it picks). Everything else is replicated."""
-    whole = {k: v for k, v in states[0].items() if k != "layers"}
-    for state in states[1:]:
-        assert {k: v for k, v in state.items() if k != "layers"} == whole, what
-    layers = {}
-    for rank, state in enumerate(states):
-        for name, entries in state["layers"].items():
-            merged = layers.setdefault(name, {})
-            if entries and merged:  # held by two ranks: replicated, so the same everywhere
-                _assert_same_state(entries, merged, f"{what}: {name} on rank {rank}")
-            merged.update(entries)
-    return dict(whole, layers=layers)
-
-
-def _assert_same_state(a, b, what):
-    assert set(a) == set(b), what
-    for key, value in a.items():
-        if isinstance(value, dict):
-            _assert_same_state(value, b[key], f"{what}.{key}")
-        elif isinstance(value, tuple):
-            assert all(torch.equal(x, y) for x, y in zip(value, b[key])), f"{what}.{key}"
-        elif isinstance(value, torch.Tensor):
-            assert value.dtype == b[key].dtype and torch.equal(value, b[key]), f"{what}.{key}"
-        else:
-            assert value == b[key], f"{what}.{key}"
-
-
-@pytest.mark.parametrize("name", ["paper", "kfac", "paper_owner", "kfac_owner",
-                                  "paper_switched", "paper_rate", "paper_rate_buffered"])
-def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
-    """MKOR / K-FAC under FSDP2 through get_state_dict + dcp.save on 2 ranks, dcp.load +
-    set_state_dict on 2, 3 and 1:
-
-    * the preconditioner's whole state (every layer's factors and counters, merged over the
-      ranks that hold them; the step count; MKOR-H's switch and rule state) comes back bit
-      for bit, whichever ranks own the layers before and after;
-    * the resumed run equals one process on the whole batch (1e-12; the first steps summed
-      over 2 ranks, the last over 3 or 1), and on 2 ranks the uninterrupted 2-rank run bit
-      for bit. The frozen layer's weight (never trained) checks the model load too: the
-      fresh model starts from another seed."""
-    root = str(tmp_path / "ckpt")
-    saved = _whole_state(run(_dcp_job, 2, root, name, True), f"{name} saved")
-    assert all(saved["layers"].values())  # every layer's state is on some rank
-    if name == "paper_switched":  # saved after the hand-over at step 1: factors freed,
-        assert saved["switched"] and saved["steps"] == 1  # their layout kept (zeros)
-        assert not any(v.any() for s in saved["layers"].values() for v in s.values())
-    else:
-        assert saved["steps"] == SAVE_AT
-    reference = _single(name)
-    uninterrupted = run(_job, 2, (name,))
-    for world in (2, 3, 1):
-        results = run(_dcp_job, world, root, name, False)
-        restored = _whole_state([r["restored"] for r in results], f"{name} on {world}")
-        _assert_same_state(restored, saved, f"{name}: 2 -> {world} ranks")
-        for rank, result in enumerate(results):
-            _assert_close(result, reference, f"{name}, resumed on rank {rank} of {world}")
-            if world == 2:  # the same ranks and shards: the uninterrupted run, bit for bit
-                for a, b in zip(result["params"], uninterrupted[rank][name]["params"]):
-                    assert torch.equal(a, b), f"{name}, resumed on rank {rank} of 2"

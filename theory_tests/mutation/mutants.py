@@ -27,6 +27,7 @@ T_HO = "torch_impl/mkor/hook_objects.py"
 T_FSDP = "torch_impl/mkor/fsdp.py"
 _REFUSALS = '    def __reduce_ex__(self, protocol, /):\n        self._refuse_copy()\n\n    def __reduce__(self, /):\n        self._refuse_copy()\n\n    def __getstate__(self):\n        self._refuse_copy()\n\n    __copy__ = __deepcopy__ = _refuse_copy'
 T_KC = "torch_impl/baselines/kfac_conventions.py"
+T_KE = "torch_impl/baselines/kfac_equations.py"
 R_FO, T_LAMB = "reference/baselines/first_order.py", "torch_impl/baselines/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
 _POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
@@ -172,17 +173,17 @@ MUTANTS = {
     "K19": [
         # Conv2d's A averaged over samples instead of rows (L = 4 times too large): the MLP
         # differential test has no Conv2d; the per-sample definition has.
-        Mutant(T_K, "    return flat.T @ flat, n\n",
+        Mutant(T_KE, "    return flat.T @ flat, n\n",
                "    return flat.T @ flat, n / layer.type.rows_per_sample(rows.shape[:-1])\n"),
-        Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
+        Mutant(T_KE, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
         # Shared by the oracle and the port: a Conv2d's G scaled by its B L rows instead of
         # its B samples (the issue's survivor, before the oracle had a Conv2d path).
         Mutant(R_K, "    samples = rows / rows_per_sample\n", "    samples = rows\n",
-               also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
+               also=((T_KE, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
                       "    samples = n"),)),
         Mutant(R_K, "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + damping)) @ QA.T",
                "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
-        Mutant(T_K, "            X = X / (lam + self.damping)", "            X = X / (lam + 2 * self.damping)"),
+        Mutant(T_KE, "        X = X / (lam + damping)", "        X = X / (lam + 2 * damping)"),
         Mutant(T_K, "        return nu.clamp(max=1.0)", "        return nu.clamp(max=2.0)"),
     ],
     "L3.1": [
@@ -390,9 +391,9 @@ MUTANTS = {
         # Shared by the oracle and the port: G = sum_i g_i g_i^T, the factor N that undoes the
         # mean-reduction of the loss forgotten in both.
         Mutant(R_K, "    g = samples * g\n", "    g = g * samples ** 0.5\n",
-               also=((T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
+               also=((T_KE, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
                       "    samples = n / n"),)),
-        Mutant(T_K, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
+        Mutant(T_KE, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
         Mutant(T_K, "                s[key] = torch.where(ok, blended, s[key])", "                s[key] = blended"),
     ],
     "PORT-FSDP2": [
@@ -448,6 +449,9 @@ MUTANTS = {
                "        self.buffer.append(loss)"),
         Mutant(T_P, "        if self._rule is not None and state.get(\"rule\") is not None:",
                "        if False:"),
+        # one rank's state dict of owner-placed factors loaded without the pointer to DCP
+        Mutant(T_FSDP, "    if not saved:\n        raise ValueError(f\"{name}: the state_dict holds no state",
+               "    if False:\n        raise ValueError(f\"{name}: the state_dict holds no state"),
     ],
 }
 

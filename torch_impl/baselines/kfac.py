@@ -65,75 +65,14 @@ from ..mkor.capture import Capture, weak_schedule
 from ..mkor.discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from ..mkor.distributed import Packet, world_size
-from ..mkor.fsdp import (FullGradients, OwnerGradients, check_supported_sharding, owner_map,
-                         owns)
-from ..mkor.layers import LayerType
+from ..mkor.fsdp import (FullGradients, OwnerGradients, check_supported_sharding, kept_here,
+                         owner_map, owns)
 from ..mkor.wrapper import PreconditionedOptimizer
 from ..common.validation import check_choice, check_int, check_number
+from .kfac_equations import (decompose, grad_stat, input_stat, per_sample,
+                             preconditioned_gradient)
 
 __all__ = ["KFAC"]
-
-
-def _masked_flat(rows, mask):
-    rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
-    flat = rows.reshape(-1, rows.shape[-1])
-    if mask is None:
-        return flat, flat.shape[0], None
-    keep = mask.reshape(-1, 1)
-    return torch.where(keep, flat, 0), mask.sum(), keep
-
-
-def _input_stat(layer, rows, mask):
-    """(sum_i a_i a_i^T, rows) of one forward, rows with a trailing 1 for a bias (0 on a
-    masked row); an identity side (size guard) stores nothing."""
-    flat, n, keep = _masked_flat(rows, mask)
-    if layer.identity_R:
-        return flat.new_zeros(0), n
-    if layer.has_bias:
-        ones = flat.new_ones(flat.shape[0], 1) if keep is None else keep.to(flat.dtype)
-        flat = torch.cat([flat, ones], dim=1)
-    return flat.T @ flat, n
-
-
-def _grad_stat(layer, rows, mask):
-    """(sum_i g_i g_i^T, samples): G = N sum_i g_i g_i^T once N, the samples of every
-    micro-batch, is known (one sample is ``rows_per_sample`` rows: L for Conv2d)."""
-    flat, n, _ = _masked_flat(rows, mask)
-    samples = n / layer.type.rows_per_sample(rows.shape[:-1])
-    if layer.identity_L:
-        return flat.new_zeros(0), samples
-    return flat.T @ flat, samples
-
-
-def _per_sample(layer):
-    """Whether the layer type counts several rows per sample (Conv2d: L positions), so its
-    sample count travels apart from its row count."""
-    return type(layer.type).rows_per_sample is not LayerType.rows_per_sample
-
-
-def _decompose(F, damping, method):
-    """eigh / inv of the factor F with fallbacks: float64, then more damping. Returns the
-    result (in F's dtype) and the number of failed attempts, or (None, attempts)."""
-    attempts = 0
-    for extra in (0.0, 0.0, 10 * damping, 100 * damping, 1000 * damping):
-        M = (F + F.T) / 2 if attempts == 0 else (F + F.T).double() / 2
-        if extra:
-            M = M + extra * torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
-        try:
-            if method == "eigen":
-                lam, Q = torch.linalg.eigh(M)
-                out = (lam.clamp(min=0).to(F.dtype), Q.to(F.dtype))  # rounding can go < 0
-                ok = torch.isfinite(lam).all() and torch.isfinite(Q).all()
-            else:
-                eye = torch.eye(M.shape[0], dtype=M.dtype, device=M.device)
-                inv = torch.linalg.inv(M + damping * eye)
-                out, ok = inv.to(F.dtype), torch.isfinite(inv).all()
-        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-            ok = False
-        if ok:
-            return out, attempts
-        attempts += 1
-    return None, attempts
 
 
 def _to_device(value, device, dtype):
@@ -227,7 +166,7 @@ class KFAC(PreconditionedOptimizer):
         self.decomposition_failures = 0  # decompositions that kept the previous result
         self.decomposition_retries = 0   # failed attempts (float64 retries, extra damping)
         self._capture = Capture(self._layers, weak_schedule(self.factor_update_due),
-                                _input_stat, _grad_stat, grad_hook=grad_hook,
+                                input_stat, grad_stat, grad_hook=grad_hook,
                                 model=unwrap_model(model), mask_kwarg=token_mask)
         self._capture.register()
         self._routes = self._plan_routes()
@@ -250,7 +189,7 @@ class KFAC(PreconditionedOptimizer):
             if not layers:
                 continue
             packet = Packet(
-                [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if _per_sample(l) else [])
+                [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if per_sample(l) else [])
                  for l in layers],
                 [l.has_bias and not l.identity_R for l in layers], self._dtype, sums=True)
             routes.append((dst, layers, packet))
@@ -329,13 +268,9 @@ class KFAC(PreconditionedOptimizer):
         loaded = {}
         for name, saved in state["layers"].items():
             own = self._state[name]
-            if not own:  # another rank owns the layer: its state is not kept here
+            if not kept_here(name, own, saved):
                 loaded[name] = {}
                 continue
-            if not saved:
-                raise ValueError(f"{name}: the state_dict holds no state for this layer (saved "
-                                 "by a rank that did not own it? save owner-placed factors "
-                                 "with torch.distributed.checkpoint)")
             for key in ("A", "G"):
                 if (key in saved) != (key in own) or (
                         key in own and saved[key].shape != own[key].shape):
@@ -382,7 +317,7 @@ class KFAC(PreconditionedOptimizer):
                     counts.append(0)
                     continue
                 a_sum, rows, s_sum, samples = mine[layer.name]
-                extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if _per_sample(
+                extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if per_sample(
                     layer) else []
                 items.append([a_sum, s_sum] + extra)
                 counts.append(rows)
@@ -395,7 +330,7 @@ class KFAC(PreconditionedOptimizer):
                 continue  # the owner alone holds these sums, and these factors
             for layer, (sums, rows) in zip(layers, reduction.wait(packet.dtype)):
                 A_sum, S_sum = sums[0], sums[1]
-                samples = sums[2][0] if _per_sample(layer) else rows
+                samples = sums[2][0] if per_sample(layer) else rows
                 dev = layer.module.weight.device
                 A = A_sum / rows.clamp(min=1)
                 # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
@@ -437,7 +372,7 @@ class KFAC(PreconditionedOptimizer):
             for key in ("A", "G"):
                 if key not in s:
                     continue
-                result, attempts = _decompose(s[key], self.damping, self.method)
+                result, attempts = decompose(s[key], self.damping, self.method)
                 self.decomposition_retries += attempts
                 if result is None:
                     self.decomposition_failures += 1
@@ -447,25 +382,6 @@ class KFAC(PreconditionedOptimizer):
                     continue
                 s[("eig_" if self.method == "eigen" else "inv_") + key] = result
             s["decomposed"] = True
-
-    def _apply(self, layer, s, G_hat):
-        """V for one layer; an identity side is the factor I."""
-        if self.method == "eigen":
-            QA = QG = None
-            lamA = lamG = None
-            if "eig_A" in s:
-                lamA, QA = s["eig_A"]
-            if "eig_G" in s:
-                lamG, QG = s["eig_G"]
-            X = G_hat if QA is None else G_hat @ QA
-            X = X if QG is None else QG.T @ X
-            lam = (torch.outer(lamG if lamG is not None else X.new_ones(X.shape[0]),
-                               lamA if lamA is not None else X.new_ones(X.shape[1])))
-            X = X / (lam + self.damping)
-            X = X if QA is None else X @ QA.T
-            return X if QG is None else QG @ X
-        V = G_hat / (1 + self.damping) if "inv_A" not in s else G_hat @ s["inv_A"]
-        return V / (1 + self.damping) if "inv_G" not in s else s["inv_G"] @ V
 
     def _gradient_matrix(self, layer, grads):
         """G_hat = [grad W | grad b] in the factor dtype (a bias without a gradient: 0)."""
@@ -532,7 +448,7 @@ class KFAC(PreconditionedOptimizer):
             G_hat = V = None
             if grads.weight is not None and "decomposed" in s:
                 G_hat = self._gradient_matrix(layer, grads)
-                V = self._apply(layer, s, G_hat)
+                V = preconditioned_gradient(s, G_hat, self.damping, self.method)
             work.append((layer, grads, G_hat, V, owner is not None))
         nu = self._kl_clip_factor(work) if self.kl_clip is not None and work else None
         for layer, grads, _, V, _ in work:

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
-           "assign_owners", "owner_map", "owns"]
+           "assign_owners", "owner_map", "owns", "kept_here"]
 
 SUPPORTED_PLACEMENTS = ("plain tensors, or FSDP2 fully_shard DTensors placed Shard(0) on a 1-D "
                         "mesh or (Replicate(), Shard(0)) on an HSDP mesh")
@@ -195,6 +195,19 @@ def owns(owners, name):
         return True
     rank, group = owners[name]
     return dist.get_rank(group) == rank
+
+
+def kept_here(name, own, saved):
+    """Whether a saved layer state is loaded into this rank's ``own``: not where another
+    rank owns the layer (``own`` is empty); a layer this rank keeps but the saved state
+    lacks (one rank's ``state_dict()`` of owner-placed factors) raises."""
+    if not own:
+        return False
+    if not saved:
+        raise ValueError(f"{name}: the state_dict holds no state for this layer (saved by a "
+                         "rank that did not own it? save owner-placed factors with "
+                         "torch.distributed.checkpoint)")
+    return True
 
 
 class OwnerGradients(_Gradients):

@@ -28,7 +28,7 @@ from .discovery import (discover, unwrap_model, warn_identity_sides,
                         warn_nothing_preconditioned)
 from .distributed import OverlapCapture, VectorExchange, world_size
 from .factors import RELEASED_THRESHOLD
-from .fsdp import check_supported_sharding, owner_map, owns
+from .fsdp import check_supported_sharding, kept_here, owner_map, owns
 from .hybrid import HybridSwitching
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
 from .vectors import grad_row_sum, input_row_sum
@@ -262,29 +262,24 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                 f"switched={self._switched}, optimizer={type(self.optimizer).__name__})")
 
     # -- state --------------------------------------------------------------------------
-    def _initial_state(self, layer):
-        """A fresh layer state; none at all on a rank that does not own the layer, so each
-        entry lives on one rank and DCP (which saves one copy of an entry several ranks
-        hold, from a rank of its choosing) saves the owner's."""
+    def _initial_state(self, layer, device=None):
+        """A fresh layer state (on ``device``, default the layer's); none at all on a rank
+        that does not own the layer, so each entry lives on one rank and DCP (which saves
+        one copy of an entry several ranks hold, from a rank of its choosing) saves the
+        owner's."""
         if not self._owns(layer.name):
             return {}
-        return initial_layer_state(layer, self.options.factor_dtype)
+        return initial_layer_state(layer, self.options.factor_dtype, device)
 
     def _released_state(self):
         """After the switch the factors are freed, but a checkpoint keeps the layout of a
         fresh state: DCP loads into a fresh optimizer's state dict and refuses an entry the
         checkpoint lacks. Every entry is a zero of its shape with one element of storage
         behind it (an ``expand``), so this costs no memory and saves no matrix."""
-        out = {}
-        for layer in self._layers:
-            if not self._owns(layer.name):
-                out[layer.name] = {}
-                continue
-            layout = initial_layer_state(layer, self.options.factor_dtype, device="meta")
-            dev = layer.module.weight.device
-            out[layer.name] = {k: torch.zeros((), dtype=v.dtype, device=dev).expand(v.shape)
-                               for k, v in layout.items()}
-        return out
+        return {l.name: {k: torch.zeros((), dtype=v.dtype, device=l.module.weight.device)
+                         .expand(v.shape) for k, v in self._initial_state(l, "meta").items()}
+                for l in self._layers}
+
     def _owns(self, name):
         return owns(self._owners, name)
 
@@ -309,12 +304,8 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                                  f"the preconditioned modules {sorted(names)}")
             for name, saved in state["layers"].items():
                 own = self._state[name]
-                if not own:  # another rank owns the layer: its state is not kept here
+                if not kept_here(name, own, saved):
                     continue
-                if not saved:
-                    raise ValueError(f"{name}: the state_dict holds no state for this layer "
-                                     "(saved by a rank that did not own it? save owner-placed "
-                                     "factors with torch.distributed.checkpoint)")
                 saved = _upgrade_counters(saved)
                 if set(saved) != set(own):
                     raise ValueError(f"{name}: state keys {sorted(saved)} != {sorted(own)} "
