@@ -371,25 +371,36 @@ class _Pooled(nn.Module):
         torch.manual_seed(0)
         self.tok = nn.Linear(4, 4)
         self.pool = nn.Linear(4, 2)
+        self.gathered = False
         self.double()
 
     def forward(self, x, attention_mask):
         h = torch.tanh(self.tok(x)) * attention_mask.unsqueeze(-1)
+        if self.gathered:  # the last two positions of each row, picked by an index tensor
+            return self.pool(h[:, torch.tensor([3, 4])])
         return self.pool(h.sum(1))
 
 
 def test_rows_that_cannot_be_matched_to_the_mask_are_all_used_and_listed():
-    """The pooler runs in a call with a (B, T) mask, but its rows are (B, d): all its rows
-    are used and it is listed with the reason; the token layer is masked, not listed."""
+    """The pooler runs in a call with a (B, T) mask, but its rows are (B, d), one per sample
+    (the positions were reduced away): all its rows are real and used, and the report says
+    "per sample"; the token layer is masked; nothing is listed. Rows the tracker cannot
+    follow (advanced indexing over the tokens) are used whole and listed with the reason."""
     model = _Pooled()
     pre = _wrap("mkor", model)
     x = torch.randn(2, 5, 4, dtype=f64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     model(x, attention_mask=mask).sum().backward()
-    assert list(pre.unmasked_reasons) == ["pool"]
-    assert "(2,)" in pre.unmasked_reasons["pool"] and "(2, 5)" in pre.unmasked_reasons["pool"]
+    assert pre.unmasked_reasons == {}
+    report = pre.capture_report()
+    assert report["pool"]["mask"] == "per sample" and report["tok"]["mask"] == "tokens"
     a_bar, _ = pre.pending_vectors()["tok"]
     torch.testing.assert_close(a_bar[:-1], x[mask.bool()].mean(0), rtol=1e-14, atol=1e-15)
+    pre.zero_grad()
+    model.gathered = True  # the pooler reads rows picked by an index tensor
+    model(x, attention_mask=mask).sum().backward()
+    assert list(pre.unmasked_reasons) == ["pool"]
+    assert "index" in pre.unmasked_reasons["pool"]
 
 
 # -- nested reentrant regions and a mask set by hand ----------------------------------------

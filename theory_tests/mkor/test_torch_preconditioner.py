@@ -107,9 +107,11 @@ def test_no_cubic_linear_algebra_on_the_mkor_path(monkeypatch, variant):
 def test_precondition_makes_no_host_sync(monkeypatch, device):
     """Spec: no .item(), bool(tensor) or float(tensor) inside precondition(), on factor
     update steps (with the stabiliser active) and off-schedule steps alike. On CUDA the
-    driver-level check (sync debug mode "error") is armed as well."""
+    driver-level check (sync debug mode "error") is armed as well. (The self-check's one
+    read on its own steps: the next test.)"""
     for variant in ("paper", "released"):
-        model, opt, mkor = make(variant=variant, inv_freq=2, stat_decay=0.5, device=device)
+        model, opt, mkor = make(variant=variant, inv_freq=2, stat_decay=0.5, device=device,
+                                self_check=None)
         for t in range(6):
             x, y = batch(t, device=device)
             Fn.mse_loss(model(x), y).backward()
@@ -127,6 +129,31 @@ def test_precondition_makes_no_host_sync(monkeypatch, device):
                         torch.cuda.set_sync_debug_mode("default")
             opt.step()
             opt.zero_grad()
+
+
+def test_the_self_check_reads_once_on_its_steps_and_never_otherwise():
+    """self_check=2 with inv_freq=2: capture steps 0, 2, 4, 6, 8; checked: 0, 4, 8 (every
+    2nd capture step), each with exactly one read (Tensor.tolist) in precondition()."""
+    model, opt, mkor = make(inv_freq=2, self_check=2)
+    reads = []
+    real = torch.Tensor.tolist
+    for t in range(9):
+        x, y = batch(t)
+        Fn.mse_loss(model(x), y).backward()
+        count = {"n": 0}
+
+        def counting(self):
+            count["n"] += 1
+            return real(self)
+        torch.Tensor.tolist = counting
+        try:
+            mkor.precondition()
+        finally:
+            torch.Tensor.tolist = real
+        reads.append(count["n"])
+        opt.step()
+        opt.zero_grad()
+    assert reads == [1, 0, 0, 0, 1, 0, 0, 0, 1]
 
 
 def test_identity_factors_leave_the_gradient_unchanged():

@@ -22,6 +22,8 @@ R_K, R_H, T_H = "reference/baselines/kfac.py", "reference/mkor/hybrid.py", "torc
 T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
 T_DIST = "torch_impl/mkor/distributed.py"
 T_TM = "torch_impl/mkor/token_masks.py"
+T_RP = "torch_impl/mkor/row_provenance.py"
+T_SC = "torch_impl/mkor/self_check.py"
 T_EC = "torch_impl/mkor/eager_capture.py"
 T_HO = "torch_impl/mkor/hook_objects.py"
 T_FSDP = "torch_impl/mkor/fsdp.py"
@@ -311,8 +313,8 @@ MUTANTS = {
                "        if False:"),
         Mutant(T_V, "    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()",
                "    return rows.sum(dim=lead), mask.sum()"),
-        Mutant(T_C, "                self._commit(layer, a_stat, mask, grad_rows(grad))",
-               "                self._commit(layer, a_stat, None, grad_rows(grad))",
+        Mutant(T_C, "                    self._commit(layer, a_stat, mask, grad_rows(grad), sketch)",
+               "                    self._commit(layer, a_stat, None, grad_rows(grad), sketch)",
                equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
     ],
     "PORT-CHECKPOINT": [
@@ -321,8 +323,8 @@ MUTANTS = {
                "            return self._call"),
         Mutant(T_C, "            self._call.regions = True  # a grad-free", "            self._call.regions = False  # a grad-free"),
         Mutant(T_C, "                ctx.nested = True", "                ctx.nested = False"),
-        Mutant(T_C, "        ctx = (self._explicit if self._explicit is not None else",
-               "        ctx = (self._explicit if False else"),
+        Mutant(T_C, "        if self._explicit is not None:\n            tag_explicit(",
+               "        if False:\n            tag_explicit("),
     ],
     "PORT-COMPILE": [
         # A compiled capture step traced through the model: graph breaks at every layer hook.
@@ -352,14 +354,59 @@ MUTANTS = {
         Mutant("torch_impl/mkor/hybrid.py", "class _LossTap(CopyInertHook):", "class _LossTap:"),
     ],
     "PORT-MASKS": [
-        # Decoder mask: the decoder reads the encoder's attention_mask (the shape-based bug).
-        Mutant(T_TM, "                masks[\"decoder\"] = labels != -100",
-               "                masks[\"decoder\"] = _as_bool(main)"),
-        Mutant(T_TM, "            return \"encoder\"\n        return layer_source",
-               "            return layer_source\n        return layer_source"),
-        Mutant(T_TM, "            sources[layer.name] = \"encoder\"", "            sources[layer.name] = \"decoder\""),
-        Mutant(T_TM, "        if tuple(lead) != tuple(mask.shape):", "        if tuple(lead[:1]) != tuple(mask.shape[:1]):",
-               tests=("theory_tests/mkor/test_capture_construction.py::test_rows_that_cannot_be_matched_to_the_mask_are_all_used_and_listed",)),
+        # A transpose not followed: sequence-first rows read the batch-first mask.
+        Mutant(T_RP, "    tag[a], tag[b] = tag[b], tag[a]\n", "    tag[a], tag[b] = tag[a], tag[b]\n"),
+        # A permute not followed.
+        Mutant(T_RP, "    return tuple(tags[0][d] for d in dims)", "    return tuple(tags[0])"),
+        # masked() ignores the model's layout (the shape-based bug for B = T).
+        Mutant(T_TM, "    dims = (0, 1) if batch_first else (1, 0)", "    dims = (0, 1)"),
+        # An inner model keeps another call's tags on its token inputs.
+        Mutant(T_TM, "            if srcs and srcs != {src}:", "            if False:"),
+        # A mask passed by position is not bound to the signature.
+        Mutant(T_TM, "        mask = _two_d(values.get(self.mask_kwarg))\n        src = None",
+               "        mask = _two_d(kwargs.get(self.mask_kwarg))\n        src = None",
+               tests=("theory_tests/mkor/test_capture_masks.py::test_a_mask_passed_by_position_is_a_mask",)),
+        # Masks enter only at the top-level call (a wrapper's inner model reads none).
+        Mutant(T_TM, "            if mask_kwarg in signature.parameters or module is model:",
+               "            if module is model:",
+               tests=("theory_tests/mkor/test_capture_masks.py::test_a_wrapper_fed_a_dict_batch_reads_the_mask_where_it_enters_the_inner_model",)),
+        # Pointwise: an operand's broadcast size-1 dimension carries its tag.
+        Mutant(T_RP, "            if j >= 0 and tag is not None and shape[j] == out_shape[i]:",
+               "            if j >= 0 and tag is not None:"),
+        # Matrix products: the right operand's tags taken for the rows.
+        Mutant(T_RP, "    rows = a[0] if a is not None else None\n    cols = b[1] if b is not None else None\n    return (rows, cols)",
+               "    rows = b[0] if b is not None else None\n    cols = b[1] if b is not None else None\n    return (rows, cols)"),
+    ],
+    "PORT-SELFCHECK": [
+        # A wrong mask: padding rows' gradient not looked at.
+        Mutant(T_SC, "            pad = padding.amax() if padding.numel() else g.new_zeros(())",
+               "            pad = padding.amax() * 0 if padding.numel() else g.new_zeros(())"),
+        # A missed call: a backward through a use no hook captured passes.
+        Mutant(T_SC, "            run.ratio = torch.where(observed != 0, math.inf, 0.0).to(dtype)",
+               "            run.ratio = torch.where(observed != 0, 0.0, 0.0).to(dtype)"),
+        # A second use of the weight: the comparison never fails.
+        Mutant(T_SC, "                if ratio > 1 and name not in self.released:",
+               "                if ratio > 1e300 and name not in self.released:"),
+        # The rounding bound a million times too tight: right captures fail.
+        Mutant(T_SC, "    return 2 * gamma + 3 * low_unit", "    return (2 * gamma + 3 * low_unit) * 1e-6"),
+        # The weight side without the rows the mask dropped is not the padding check's.
+        Mutant(T_SC, "            if verdict.get(\"padding\") == \"fail\" and ratio > 1:",
+               "            if False:"),
+    ],
+    "PORT-CAPTURE-SHAPES": [
+        Mutant(T_LAYERS, "        return x if x.dim() > 1 else x.unsqueeze(0)  # an unbatched sample: a batch of one",
+               "        return x"),
+        Mutant(T_LAYERS, "        if x.dim() == 3:  # an unbatched (C, H, W) sample: a batch of one",
+               "        if False:  # an unbatched (C, H, W) sample: a batch of one"),
+        Mutant(T_D, "        if reason is None and layer_type is not None and 0 in layer_type.shape(module):",
+               "        if False:"),
+        # discovery follows the model: a layer unfrozen later is never told
+        Mutant(T_W, "            if weight.requires_grad and weight.grad is not None and \\",
+               "            if False and \\"),
+        Mutant(T_C, "                        self.eval_seen.add(layer.name)\n                    return",
+               "                        pass\n                    return"),
+        Mutant(T_C, "            if state == \"eval\":\n                if output.requires_grad:\n                    self.eval_seen.add(layer.name)",
+               "            if state == \"eval\":\n                if output.requires_grad:\n                    pass"),
     ],
     "PORT-ROWS": [
         # Row counts across ranks: the mean of the ranks' means instead of the union's mean.

@@ -110,6 +110,7 @@ class KFAC(PreconditionedOptimizer):
             (1.0, 1.0); must stay so with "batch").
         factor_placement: under FSDP2, where a sharded layer's factors live: "replicated"
             (default; on every rank) or "owner" (on one rank per layer: module docstring).
+        self_check: as for MKOR (default 10; None: never).
     """
 
     _state_key = "kfac"
@@ -118,7 +119,7 @@ class KFAC(PreconditionedOptimizer):
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
                  grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
                  grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
-                 factor_init_scale=(1.0, 1.0), factor_placement="replicated"):
+                 factor_init_scale=(1.0, 1.0), factor_placement="replicated", self_check=10):
         self._bind(model, optimizer, grad_scaler)
         check_int("inv_freq", inv_freq, low=1)
         check_int("factor_freq", factor_freq, low=1)
@@ -151,7 +152,7 @@ class KFAC(PreconditionedOptimizer):
         self._grad_scale = grad_scale
         self.factor_init, self.factor_init_scale = factor_init, tuple(float(v) for v in scales)
         found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
-        self._layers, self._skipped = found.layers, found.skipped
+        self._layers, self._skipped, self._frozen = found.layers, found.skipped, found.frozen
         check_supported_sharding(unwrap_model(model), self._layers, "KFAC")
         self.factor_placement = factor_placement
         self._owners = owner_map(self._layers, factor_placement, "KFAC")
@@ -167,7 +168,8 @@ class KFAC(PreconditionedOptimizer):
         self.decomposition_retries = 0   # failed attempts (float64 retries, extra damping)
         self._capture = Capture(self._layers, weak_schedule(self.factor_update_due),
                                 input_stat, grad_stat, grad_hook=grad_hook,
-                                model=unwrap_model(model), mask_kwarg=token_mask)
+                                model=unwrap_model(model), mask_kwarg=token_mask,
+                                self_check=self_check)
         self._capture.register()
         self._routes = self._plan_routes()
         self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
@@ -432,6 +434,7 @@ class KFAC(PreconditionedOptimizer):
         if self._detached:
             return
         if self.factor_update_due():
+            self._finish_capture()
             self._update_factors()
         if self._steps % self.inv_freq == 0:
             self._decompose_all()
@@ -440,7 +443,8 @@ class KFAC(PreconditionedOptimizer):
         for layer in self._layers:
             s, w = self._state[layer.name], layer.module.weight
             owner = self._owners.get(layer.name)
-            if w.grad is None or (owner is None and "decomposed" not in s):
+            if w.grad is None or (owner is None and "decomposed" not in s) or \
+                    layer.name in self._capture.check.released:
                 continue
             # FSDP2: the whole gradients, on every rank or on the owner (mkor.fsdp)
             grads = FullGradients(layer.module) if owner is None else OwnerGradients(

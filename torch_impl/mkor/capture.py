@@ -44,11 +44,19 @@ several uses of one weight, lose nothing. (Gradients zeroed in place,
 ``set_to_none=False``, cannot be told apart from accumulation: call the preconditioner's
 own ``zero_grad`` then.)
 
-**Token masks** come from where a layer sits (:mod:`.token_masks`): the model's forward
-pre-hook makes the call's context (its ``attention_mask``; for an encoder-decoder model
-also the decoder's mask), and each layer reads its own source's mask, never a mask that
-merely has the right shape. A layer whose rows cannot be matched to its mask uses them all
-and is listed with the reason in :attr:`Capture.unmasked`.
+**Token masks** enter where the model's modules take them (:mod:`.token_masks`: every
+module whose forward has the mask parameter, bound to its signature) and are followed
+through the model's operations to each layer's rows (:mod:`.row_provenance`): a layer's
+rows read the mask of the tokens they come from, in their own layout, never a mask that
+merely has the right shape. A layer whose rows cannot be tied to a mask uses them all
+and is listed with the reason in :attr:`Capture.unmasked`. Layers that ran without grad
+(the first pass of a reentrant checkpoint) record their layout for the recompute.
+
+**Self-check** (:mod:`.self_check`): on a checked capture, a row the mask calls padding
+must carry an exactly zero output gradient, and the weight's gradient of each backward
+must equal the sum over the captured rows of g a^T (checked through a random projection,
+within a rounding bound derived from the rows). A violation is reported and the layer
+falls back (:meth:`Capture.finish_capture_step`).
 
 **Rows that are not there.** A call with 0 rows commits a 0 count; the owner treats a
 layer without rows as absent ("no rows"), not as a non-finite update.
@@ -81,10 +89,12 @@ import torch
 
 from .eager_capture import EagerCaptureSteps
 from .hook_objects import BoundHook, Gated
-from .token_masks import CallContext, mask_sources, storage_key
+from .row_provenance import RowsMask, rows_mask
+from .self_check import SelfCheck
+from .token_masks import CallContext, MaskEntries, tag_explicit
 from ..common.validation import check_choice
 
-__all__ = ["Capture", "HookedLayers"]
+__all__ = ["Capture", "CaptureError", "CaptureReport", "HookedLayers"]
 
 
 def _silence_first_layer_warning():
@@ -169,6 +179,18 @@ def _checkpoint_nodes(output):
     return found
 
 
+def _guarded(layer, hook):
+    """``hook`` with any failure raised as an error that names the layer."""
+    def guarded(*args):
+        try:
+            return hook(*args)
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - named, never swallowed
+            raise _named_error(layer, exc) from exc
+    return guarded
+
+
 def _first_tensor(args, kwargs):
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -180,13 +202,14 @@ class _Stats:
     """Accumulated statistics of one layer since the last reset. ``settled``: everything
     committed so far has been accumulated into ``weight.grad``."""
 
-    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count", "settled")
+    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count", "settled", "flagged")
 
     def __init__(self):
         self.pending = []  # grad_hook="module": (input statistic, mask) awaiting a gradient
         self.a_sum = self.g_sum = None
         self.a_count = self.g_count = 0
         self.settled = False
+        self.flagged = False  # the self-check refused this step's statistics
 
 
 def _add(total, x):
@@ -194,6 +217,32 @@ def _add(total, x):
 
 
 _UNKNOWN = object()  # a recompute whose forward call could not be identified
+_ALL_ROWS = RowsMask(None, "none")
+
+
+@contextlib.contextmanager
+def _untracked(ctx):
+    """Our own computations inside a hook stay out of the call's row tracker."""
+    tracker = ctx.tracker if ctx is not None and ctx is not _UNKNOWN else None
+    if tracker is None or not tracker.entered or \
+            torch.utils._python_dispatch._get_current_dispatch_mode() is not tracker:
+        yield
+        return
+    with torch.utils._python_dispatch._pop_mode_temporarily():
+        yield
+
+
+class CaptureError(RuntimeError):
+    """A hook could not capture a layer's statistics (the message names the layer)."""
+
+
+def _named_error(layer, exc):
+    if isinstance(exc, CaptureError):
+        return exc
+    return CaptureError(
+        f"MKOR/K-FAC: capturing the statistics of layer {layer.name!r} "
+        f"({type(layer.module).__name__}) failed: {type(exc).__name__}: {exc}. Pass "
+        f"skip_modules=[{layer.name!r}] to leave it to the backbone optimizer.")
 
 
 class Capture:
@@ -209,16 +258,18 @@ class Capture:
         grad_stat: ``callable(layer, rows, mask) -> (tensor, count)``: the same for the
             output-gradient rows ``(*lead, d_out)``.
         grad_hook: ``"tensor"`` (default) or ``"module"`` (module docstring).
-        model: the top-level module; with ``mask_kwarg`` its forward keyword of that name
-            (a 2-D tensor, nonzero = real token) gives the token masks of that call
+        model: the top-level module; with ``mask_kwarg`` the forwards that take a parameter
+            of that name (a 2-D tensor, nonzero = real token) give the token masks
             (:mod:`.token_masks`).
+        self_check: None (off) or k: check each layer's first capture, then every k-th
+            capture step (:mod:`.self_check`).
 
     After a backward, :meth:`stats` returns ``(a_sum, a_count, g_sum, g_count)`` per layer
     name for layers that saw at least one complete forward + backward.
     """
 
     def __init__(self, layers, should_capture, input_stat, grad_stat, grad_hook="tensor",
-                 model=None, mask_kwarg=None):
+                 model=None, mask_kwarg=None, self_check=None):
         check_choice("grad_hook", grad_hook, ("module", "tensor"))
         self.grad_hook = grad_hook
         self.layers = list(layers)
@@ -226,8 +277,12 @@ class Capture:
         self.input_stat = input_stat
         self.grad_stat = grad_stat
         self.model, self.mask_kwarg = model, mask_kwarg
-        self._sources, self._encoder = (mask_sources(model, self.layers) if model is not None
-                                        else ({l.name: "tokens" for l in self.layers}, None))
+        self._entries = MaskEntries(model, mask_kwarg) if model is not None else None
+        names = dict(model.named_modules()) if model is not None else {}
+        self._ancestors = {  # {layer: ids of the modules it sits in} (decoder stacks)
+            layer.name: {id(m) for n, m in names.items()
+                         if n == "" or layer.name.startswith(n + ".")}
+            for layer in self.layers}
         self._stats = {layer.name: _Stats() for layer in self.layers}
         self._by_name = {layer.name: layer for layer in self.layers}
         self._handles = []
@@ -235,7 +290,14 @@ class Capture:
         self._warned = set()  # layers already warned about (once each)
         #: {layer name: why its rows were not selected by a token mask}
         self.unmasked = {}
-        self._explicit = None   # CallContext set by token_mask(); wins over the keyword
+        #: {layer name: where its rows' mask came from at its last capture}
+        self.mask_source = {}
+        #: {layer name: rows counted at its last capture (an int or a 0-d tensor)}
+        self.last_rows = {}
+        #: layers whose forward ran in eval() mode on a capture step (not captured)
+        self.eval_seen = set()
+        self.check = SelfCheck(self.layers, self_check)
+        self._explicit = None   # (mask, batch_first) set by token_mask(); wins over keywords
         self._call = None       # CallContext of the model's forward now running
         self._call_stack = []   # calls the model's current forward interrupted (nesting)
         self._masked_seen = False  # some call since the last reset had a token mask
@@ -244,10 +306,10 @@ class Capture:
 
     # -- call contexts ---------------------------------------------------------------
     @contextlib.contextmanager
-    def token_mask(self, mask):
-        """Within the block, every layer's rows of leading shape ``mask.shape`` are
-        selected by ``mask`` (nonzero = keep)."""
-        previous, self._explicit = self._explicit, CallContext.explicit(mask)
+    def token_mask(self, mask, batch_first=None):
+        """Within the block, ``mask`` describes the model call's token inputs
+        (:func:`~.token_masks.tag_explicit`) and is followed to every layer's rows."""
+        previous, self._explicit = self._explicit, (mask, batch_first)
         self._masked_seen = True
         try:
             yield
@@ -257,8 +319,6 @@ class Capture:
     def _context(self):
         """The CallContext of the forward running now: None outside any model call,
         ``_UNKNOWN`` for a recompute whose region was not filed."""
-        if self._explicit is not None:
-            return self._explicit
         if _in_backward():
             return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)
         return self._call
@@ -266,64 +326,117 @@ class Capture:
     def _model_pre_hook(self, module, args, kwargs):
         if _in_backward():
             return None
-        ctx = (self._explicit if self._explicit is not None else
-               CallContext.from_call(kwargs, self.mask_kwarg, self._encoder is not None))
+        ctx = CallContext()
         ctx.with_grad = torch.is_grad_enabled()
-        self._masked_seen = self._masked_seen or bool(ctx.masks)
+        if self._explicit is not None:
+            tag_explicit(ctx, self._explicit[0], module, args, kwargs, self._explicit[1])
+        replaced = None
+        if self._entries is not None:
+            replaced = self._entries.enter(ctx, module, args, kwargs)
         self._call_stack.append(self._call)
         self._call = ctx
-        return None
+        return replaced
+
+    def _entry_pre_hook(self, module, args, kwargs):
+        """An inner module where masks enter (a tower, a stack, a wrapped model)."""
+        if _in_backward() or self._call is None:
+            return None
+        with _untracked(self._call):
+            return self._entries.enter(self._call, module, args, kwargs)
 
     def _model_post_hook(self, module, args, kwargs, output):
         if _in_backward() or not self._call_stack:
             return
         ctx, self._call = self._call, self._call_stack.pop()
-        if ctx is not None and ctx.regions:
+        if ctx is None:
+            return
+        ctx.close()
+        self._masked_seen = self._masked_seen or bool(ctx.masks)
+        if ctx.regions:
             for node in _checkpoint_nodes(output):
                 self._regions[node] = ctx
 
-    def _encoder_hook(self, module, args, kwargs, output):
-        out = output[0] if isinstance(output, (tuple, list)) else getattr(
-            output, "last_hidden_state", output)
-        ctx = self._context()
-        if ctx is not None and ctx is not _UNKNOWN and isinstance(out, torch.Tensor):
-            ctx.encoder_out = storage_key(out)
+    def _layout(self, layer, ctx, tags_of, lead):
+        """The :class:`~.row_provenance.RowsMask` of this call's rows of ``layer``, from the
+        row tracker's tags (``tags_of(tracker)``), recording why rows could not be tied."""
+        forced = self.check.all_rows.get(layer.name)
+        if forced is not None:
+            return RowsMask(None, "all rows (self-check)", forced)
+        if ctx is None or ctx is _UNKNOWN or ctx.tracker is None:
+            return _ALL_ROWS
+        with _untracked(ctx):
+            found = rows_mask(tags_of(ctx.tracker), tuple(lead), ctx.bool_masks(), ctx.cache)
+        return found
 
-    def _layer_mask(self, layer, ctx, x, lead):
-        """The mask for this call's rows of ``layer`` (None: all rows), recording why a
-        masked call's rows could not be matched."""
-        if ctx is None or ctx is _UNKNOWN:
-            if ctx is _UNKNOWN and self._masked_seen:
-                self.unmasked[layer.name] = (
-                    "recomputed during the backward pass by a reentrant checkpoint region "
-                    "that no model call filed (a region nested in another reentrant region)")
-            return None
-        mask, reason = ctx.mask_for(ctx.source_of(self._sources[layer.name], x), lead)
-        if reason is not None:
-            self.unmasked[layer.name] = reason
-        return mask
+    def _note(self, layer, found, ctx=None):
+        self.mask_source[layer.name] = found.source
+        if found.reason is not None:
+            self.unmasked[layer.name] = found.reason
+        elif (found.mask is None and ctx is not None and ctx is not _UNKNOWN
+              and ctx.decoder_unmasked & self._ancestors[layer.name]):
+            self.unmasked[layer.name] = (
+                "it sits in the decoder of an encoder-decoder call that gave no decoder mask "
+                "(pass decoder_attention_mask or labels): all its rows are used")
+
+    def _replayed(self, layer, ctx, lead):
+        """A reentrant recompute's layout: the one its grad-free first pass recorded."""
+        if ctx is _UNKNOWN:
+            if self._masked_seen:
+                return RowsMask(None, "untied",
+                                "recomputed during the backward pass by a reentrant checkpoint "
+                                "region that no model call filed (a region nested in another "
+                                "reentrant region)")
+            return _ALL_ROWS
+        forced = self.check.all_rows.get(layer.name)
+        if forced is not None:
+            return RowsMask(None, "all rows (self-check)", forced)
+        if ctx is None or not ctx.masks:
+            return _ALL_ROWS
+        layouts = ctx.replay.get(layer.name, [])
+        keys = {(l.source, l.reason, l.key) for l in layouts}
+        if len(keys) != 1:
+            return RowsMask(None, "untied",
+                            "recomputed by a reentrant checkpoint after running with "
+                            f"{len(keys)} different row layouts in its first pass")
+        found = layouts[0]
+        if found.mask is not None and tuple(found.mask.shape) != tuple(lead):
+            return RowsMask(None, "untied", "its recomputed rows have another shape than "
+                            "the first pass recorded")
+        return found
 
     # -- hooks -----------------------------------------------------------------------
     def _active(self, module):
-        if not (module.training and self.should_capture()):
-            return False
+        """"capture", "first pass" (a grad-free forward inside a call with grad: reentrant
+        checkpointing) or None."""
+        if not self.should_capture():
+            return None
+        if not module.training:
+            return "eval" if torch.is_grad_enabled() else None
         if torch.is_grad_enabled():
-            return True
+            return "capture"
         if _in_backward():  # the first pass of a region nested in a recompute
             ctx = self._context()
             if ctx is not None and ctx is not _UNKNOWN:
                 ctx.nested = True
         elif self._call is not None and self._call.with_grad:
             self._call.regions = True  # a grad-free pass inside a call with grad: reentrant
-        return False
+            return "first pass"
+        return None
+
+    def _first_pass(self, layer, tags_of, lead):
+        ctx = self._call
+        if ctx is not None and ctx.masks:
+            ctx.replay.setdefault(layer.name, []).append(self._layout(layer, ctx, tags_of, lead))
 
     def _input(self, layer, rows, mask):
         with torch.no_grad(), torch.autocast(rows.device.type, enabled=False):
             return self.input_stat(layer, rows.detach(), mask)
 
-    def _commit(self, layer, a_stat, mask, g_rows):
+    def _commit(self, layer, a_stat, mask, g_rows, sketch=None):
         with torch.no_grad(), torch.autocast(g_rows.device.type, enabled=False):
             g_stat, g_count = self.grad_stat(layer, g_rows.detach(), mask)
+            if sketch is not None:
+                self.check.commit(layer, sketch, mask, g_rows.detach())
         st = self._stats[layer.name]
         if st.settled and layer.module.weight.grad is None:
             # the gradient the earlier statistics went into was cleared: they are stale
@@ -333,12 +446,22 @@ class Capture:
         (a, a_count) = a_stat
         st.a_sum, st.a_count = _add(st.a_sum, a), st.a_count + a_count
         st.g_sum, st.g_count = _add(st.g_sum, g_stat), st.g_count + g_count
+        self.last_rows[layer.name] = a_count
 
     def _settle(self, names, param):
         """Post-accumulate-grad hook of a weight: the statistics of the layers ``names``
         committed so far went into its ``.grad``."""
         for name in names:
             self._stats[name].settled = True
+
+    def _weight_grad(self, names, grad):
+        """Gradient hook of a weight (before accumulation): the self-check's comparison
+        of this backward's gradient with the rows committed since the last one."""
+        # grad_hook="module" commits when the module's input gradient is ready, which the
+        # weight's own gradient may precede: the weight check runs in the tensor mode only
+        if self.capturing and self.check.checking and self.grad_hook == "tensor":
+            with torch.no_grad():
+                self.check.weight_fired(names, grad)
 
     def _captured(self, layer):
         """Called when a forward's input statistic is recorded (for subclasses)."""
@@ -347,44 +470,60 @@ class Capture:
         """Called when a forward's statistics are complete (for subclasses); ``counted``:
         :meth:`_captured` was called for it (not for a recompute's lazy statistic)."""
 
-    def _record(self, layer, x, rows_of, output, grad_rows):
+    def _record(self, layer, rows_of, tags_of, output, grad_rows):
         """One call of ``layer``: its input statistic now (an ordinary forward) or in the
         gradient hook (a recompute during backward), paired with this call's gradient."""
         tensor_mode = self.grad_hook == "tensor"
         ctx = self._context()
+        checking = self.check.checking
         if _in_backward():
             if not tensor_mode:
                 if ctx is None or ctx is _UNKNOWN:
                     return  # module mode: only a filed reentrant region's recompute
                 rows = rows_of()
-                mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
-                self._stats[layer.name].pending.append((self._input(layer, rows, mask), mask,
-                                                        grad_rows))
+                found = self._replayed(layer, ctx, rows.shape[:-1])
+                self._note(layer, found, ctx)
+                sketch = self.check.sketch(layer, rows) if checking else None
+                self._stats[layer.name].pending.append(
+                    (self._input(layer, rows, found.mask), found.mask, grad_rows, sketch))
                 return
 
             def lazy(grad):
-                if ctx is not None and ctx is not _UNKNOWN and ctx.nested:
-                    # regions nested in this recompute, upstream of this layer: file them
-                    ctx.nested = False
-                    for node in _checkpoint_nodes(output):
-                        self._regions.setdefault(node, ctx)
-                rows = rows_of()
-                mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
-                self._commit(layer, self._input(layer, rows, mask), mask, grad_rows(grad))
+                try:
+                    if ctx is not None and ctx is not _UNKNOWN and ctx.nested:
+                        # regions nested in this recompute, upstream of this layer: file them
+                        ctx.nested = False
+                        for node in _checkpoint_nodes(output):
+                            self._regions.setdefault(node, ctx)
+                    rows = rows_of()
+                    found = self._replayed(layer, ctx, rows.shape[:-1])
+                    self._note(layer, found, ctx)
+                    sketch = self.check.sketch(layer, rows) if checking else None
+                    self._commit(layer, self._input(layer, rows, found.mask), found.mask,
+                                 grad_rows(grad), sketch)
+                except Exception as exc:  # noqa: BLE001 - named, never swallowed
+                    raise _named_error(layer, exc) from exc
                 self._committed(layer, counted=False)
             output.register_hook(lazy)
             return
         rows = rows_of()
-        mask = self._layer_mask(layer, ctx, x, rows.shape[:-1])
-        a_stat = self._input(layer, rows, mask)
+        found = self._layout(layer, ctx, tags_of, rows.shape[:-1])
+        self._note(layer, found, ctx)
+        with _untracked(ctx):
+            a_stat = self._input(layer, rows, found.mask)
+            sketch = self.check.sketch(layer, rows) if checking else None
         self._captured(layer)
+        mask = found.mask
         if tensor_mode:
             def hook(grad):
-                self._commit(layer, a_stat, mask, grad_rows(grad))
+                try:
+                    self._commit(layer, a_stat, mask, grad_rows(grad), sketch)
+                except Exception as exc:  # noqa: BLE001
+                    raise _named_error(layer, exc) from exc
                 self._committed(layer)
             output.register_hook(hook)
         else:
-            self._stats[layer.name].pending.append((a_stat, mask, grad_rows))
+            self._stats[layer.name].pending.append((a_stat, mask, grad_rows, sketch))
 
     def _mha_rows(self, layer, y, out):
         """(input rows, function grad -> rows) of an MHA out-projection, both with leading
@@ -400,6 +539,17 @@ class Capture:
             return rows, lambda g: g
         return rows, lambda g: g.transpose(0, 1)
 
+    @staticmethod
+    def _mha_tags(parent, out):
+        """The tags of an MHA out-projection's (B, T) rows: its output's (the queries'),
+        in (B, T) order."""
+        def tags_of(tracker):
+            tag = tracker.tag_of(out)
+            if tag is None or len(tag) != 3:
+                return None if tag is None else tag[:-1]
+            return (tag[0], tag[1]) if parent.batch_first else (tag[1], tag[0])
+        return tags_of
+
     def _make_hooks(self, layer):
         """[(target module, kind, hook)] for ``layer``."""
         module = layer.module
@@ -408,9 +558,18 @@ class Capture:
             weight = module.weight
 
             def mha_hook(parent, args, kwargs, output):
-                if not self._active(parent):
+                state = self._active(parent)
+                if state is None or state == "eval":
+                    if state == "eval":
+                        self.eval_seen.add(layer.name)
                     return
                 out = output[0] if isinstance(output, tuple) else output
+                tags_of = self._mha_tags(parent, out)
+                if state == "first pass":
+                    lead = ((out.shape[0], out.shape[1]) if parent.batch_first
+                            else (out.shape[1], out.shape[0])) if out.dim() == 3 else out.shape[:1]
+                    self._first_pass(layer, tags_of, lead)
+                    return
                 y = _find_matmul_input(out, weight) if out.grad_fn is not None else None
                 if y is None:  # no autograd record of the projection: nothing to capture
                     if layer.name not in self._warned:
@@ -421,25 +580,44 @@ class Capture:
                                       "preconditioned_modules)", RuntimeWarning)
                     return
                 rows, grad_rows = self._mha_rows(layer, y, out)
-                self._record(layer, _first_tensor(args, kwargs), lambda: rows, out,
-                             grad_rows)
+                self._record(layer, lambda: rows, tags_of, out, grad_rows)
 
-            hooks = [(layer.parent, "forward", mha_hook)]
+            hooks = [(layer.parent, "forward", _guarded(layer, mha_hook))]
             if self.grad_hook == "module":
                 hooks.append((layer.parent, "backward", BoundHook(self._module_backward, layer)))
             return hooks
 
         def forward_hook(module, args, kwargs, output):
-            if not (self._active(module) and isinstance(output, torch.Tensor)
-                    and output.requires_grad):
+            state = self._active(module)
+            if state is None or not isinstance(output, torch.Tensor):
                 return
             x = _first_tensor(args, kwargs)
             if x is None:
                 return
-            self._record(layer, x, lambda: layer.type.input_rows(module, x), output,
+            if state == "eval":
+                if output.requires_grad:
+                    self.eval_seen.add(layer.name)
+                return
+
+            def tags_of(tracker, x=x):
+                return layer.type.row_tags(module, tracker.tag_of(x), lead)
+            if state == "first pass":
+                lead = layer.type.rows_lead(module, x, output)
+                self._first_pass(layer, tags_of, lead)
+                return
+            if not output.requires_grad:
+                return
+            lead = None
+
+            def rows_of():
+                nonlocal lead
+                rows = layer.type.input_rows(module, x)
+                lead = tuple(rows.shape[:-1])
+                return rows
+            self._record(layer, rows_of, tags_of, output,
                          lambda g: layer.type.grad_rows(module, g))
 
-        hooks = [(module, "forward", forward_hook)]
+        hooks = [(module, "forward", _guarded(layer, forward_hook))]
         if self.grad_hook == "module":
             hooks.append((module, "backward", BoundHook(self._module_backward, layer)))
         return hooks
@@ -448,14 +626,15 @@ class Capture:
         """Full backward hook of ``layer`` (``grad_hook="module"``)."""
         st = self._stats[layer.name]
         if module.training and grad_output[0] is not None and st.pending:
-            a_stat, mask, grad_rows = st.pending.pop()
-            self._commit(layer, a_stat, mask, grad_rows(grad_output[0]))
+            a_stat, mask, grad_rows, sketch = st.pending.pop()
+            self._commit(layer, a_stat, mask, grad_rows(grad_output[0]), sketch)
             self._committed(layer)
 
     def refresh(self):
         """Re-read the owner's schedule into :attr:`capturing`, the gate every forward hook
         checks first (the owner calls this whenever its step count or state changes)."""
         self.capturing = bool(self.should_capture())
+        self.check.refresh(self.capturing)
 
     def _gated(self, hook):
         """``hook`` behind the traceable gate (module docstring, torch.compile); the
@@ -483,15 +662,18 @@ class Capture:
         for weight, names in by_weight.values():
             self._handles.append(weight.register_post_accumulate_grad_hook(
                 BoundHook(self._settle, names)))  # runs in the autograd engine, never traced
+            if self.check.weight_checkable(weight):
+                self._handles.append(weight.register_hook(BoundHook(self._weight_grad, names)))
         if self.model is not None:
             self._router = EagerCaptureSteps.install(self.model, self)
             self._handles.append(self.model.register_forward_pre_hook(
                 gate(self._model_pre_hook), with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
                 gate(self._model_post_hook), with_kwargs=True, always_call=True))
-        if self._encoder is not None:
-            self._handles.append(self._encoder.register_forward_hook(
-                gate(self._encoder_hook), with_kwargs=True))
+            for module in (self._entries.modules() if self._entries is not None else ()):
+                if module is not self.model:
+                    self._handles.append(module.register_forward_pre_hook(
+                        gate(self._entry_pre_hook), with_kwargs=True))
 
     def remove(self):
         """Remove every hook and drop all statistics."""
@@ -514,6 +696,7 @@ class Capture:
             self._stats[name] = _Stats()
         self._regions = {}
         self._masked_seen = self._explicit is not None
+        self.check.reset()
 
     def drop_committed(self):
         """Drop the statistics of completed forward + backward pairs (their gradients are
@@ -523,17 +706,38 @@ class Capture:
             st.a_sum = st.g_sum = None
             st.a_count = st.g_count = 0
             st.settled = False
+        self.check.reset()
 
     def stats(self, name):
-        """(a_sum, a_count, g_sum, g_count) of layer ``name``, or None if incomplete or
-        stale (settled into a gradient that has since been cleared)."""
+        """(a_sum, a_count, g_sum, g_count) of layer ``name``, or None if incomplete,
+        stale (settled into a gradient that has since been cleared), refused by the
+        self-check, or of a layer the self-check released."""
         st = self._stats[name]
-        if st.a_sum is None or st.g_sum is None:
+        if st.a_sum is None or st.g_sum is None or st.flagged or name in self.check.released:
             return None
         if st.settled and self._by_name[name].module.weight.grad is None:
             return None
         return st.a_sum, st.a_count, st.g_sum, st.g_count
 
+    def finish_capture_step(self, process_group=None):
+        """On a step that consumes statistics: read the self-check's verdicts (one host
+        synchronisation, only on a checked step; one all-reduce across ranks) and apply
+        them: a layer whose padding rows carried gradient has this step's statistics
+        refused and uses all its rows from now on (listed in :attr:`unmasked`); a layer
+        whose weight gradient is not its rows' is released (:attr:`SelfCheck.released`):
+        its gradient goes to the backbone unchanged. Returns the names newly released."""
+        flagged, released = self.check.finish(process_group)
+        self._new_all_rows = list(flagged)
+        for name in flagged:
+            self._stats[name].flagged = True
+            self.unmasked[name] = self.check.all_rows[name]
+        for name in released:
+            self._stats[name].flagged = True
+        return released
+
+    def all_rows_new(self):
+        """Layers the last :meth:`finish_capture_step` moved to all rows."""
+        return getattr(self, "_new_all_rows", [])
 
     def unpaired(self):
         """Names of layers holding forwards that never received a gradient
@@ -581,3 +785,54 @@ class HookedLayers:
     @property
     def steps(self):
         return self._steps
+
+    def capture_report(self):
+        """What was captured, in one call: a :class:`CaptureReport` ({module name: row}).
+
+        Each row: ``preconditioned`` (bool) and ``reason`` (why not, or why it stopped);
+        ``mask``: where its rows' mask came from at its last capture ("tokens": a token
+        mask in the rows' own layout; "per sample": one row per sample, all real; "none":
+        its rows come from no masked input, or the call had no mask; "untied": a mask
+        exists but the rows could not be tied to it; "all rows (self-check)"), with
+        ``unmasked`` the reason when the rows use no mask although masks were there;
+        ``rows``: rows counted at its last capture (reading a masked count is a host
+        synchronisation, made here and not in the step); ``self_check``: the verdicts of
+        its last checked capture ({"padding": "pass" | "fail", "weight": "pass" | "fail",
+        "ratio": discrepancy / rounding bound, ...}, empty until checked)."""
+        capture = self._capture
+        released = capture.check.released
+        rows = {}
+        for layer in self._layers:
+            name = layer.name
+            count = capture.last_rows.get(name)
+            rows[name] = {
+                "preconditioned": name not in released,
+                "reason": released.get(name),
+                "mask": capture.mask_source.get(name, "not captured yet"),
+                "unmasked": capture.unmasked.get(name),
+                "rows": None if count is None else int(count),
+                "eval_mode_seen": name in capture.eval_seen,
+                "self_check": dict(capture.check.verdicts.get(name, {})),
+            }
+        for name, reason in self._skipped.items():
+            if name not in rows:
+                rows[name] = {"preconditioned": False, "reason": reason, "mask": None,
+                              "unmasked": None, "rows": None, "eval_mode_seen": False,
+                              "self_check": {}}
+        return CaptureReport(rows)
+
+
+class CaptureReport(dict):
+    """{module name: row} (see ``capture_report``); ``str()`` is a table."""
+
+    def __str__(self):
+        lines = [f"{'module':<40} {'precond.':<8} {'mask':<22} {'rows':>6}  self-check / reason"]
+        for name, row in self.items():
+            check = row["self_check"]
+            verdict = ", ".join(f"{k} {check[k]}" for k in ("padding", "weight") if k in check)
+            why = row["reason"] or row["unmasked"] or ""
+            rows = "" if row["rows"] is None else str(row["rows"])
+            lines.append(f"{name or '<model>':<40} {'yes' if row['preconditioned'] else 'no':<8} "
+                         f"{row['mask'] or '':<22} {rows:>6}  "
+                         f"{'; '.join(x for x in (verdict, why) if x)}")
+        return "\n".join(lines)

@@ -72,8 +72,9 @@ class Discovery:
     """What :func:`discover` found: ``layers`` (a list of :class:`Layer`), ``skipped``
     ({module name: reason}) and ``identity`` ({layer name: sides at the identity})."""
 
-    def __init__(self, layers, skipped, identity):
+    def __init__(self, layers, skipped, identity, frozen=None):
         self.layers, self.skipped, self.identity = layers, skipped, identity
+        self.frozen = frozen if frozen is not None else {}  # {name: module} frozen at the start
 
 
 def unwrap_model(model):
@@ -130,7 +131,7 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
     owners = _owners(model)
     mha_parent = {id(m.out_proj): m for m in model.modules()
                   if isinstance(m, nn.MultiheadAttention)}
-    layers, skipped, identity = [], {}, {}
+    layers, skipped, identity, frozen = [], {}, {}, {}
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
@@ -146,6 +147,9 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
         weight = getattr(module, "weight", None) if reason is None else None
         if reason is None and (weight is None or not isinstance(weight, torch.Tensor)):
             reason = "no weight parameter"
+        if reason is None and layer_type is not None and 0 in layer_type.shape(module):
+            reason = (f"zero-width layer (d_out, d_in) = {tuple(layer_type.shape(module))}: "
+                      "no rows to factor")
         if reason is None and weight.is_complex():
             raise ValueError(
                 f"MKOR/K-FAC: layer {name!r} ({type(module).__name__}) has complex parameters; "
@@ -154,6 +158,7 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
                 "it to the backbone optimizer.")
         if reason is None and not weight.requires_grad:
             reason = "frozen weight (requires_grad=False)"
+            frozen[name] = module
         if reason is None and len(owners.get(id(weight), ())) > 1:
             others = [n for n in owners[id(weight)] if n != name]
             reason = (f"weight tied to {', '.join(others)}: its gradient sums every use, "
@@ -174,7 +179,7 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
                     identity[name] = ("L" if layer.identity_L else "R")
         if reason is not None:
             skipped[name] = reason
-    return Discovery(layers, skipped, identity)
+    return Discovery(layers, skipped, identity, frozen)
 
 
 def warn_identity_sides(name, layers, itemsize_per_side):

@@ -17,6 +17,7 @@ is covered by design rather than by class name. Built in: ``nn.Linear`` and subc
 y = x W + b), recognised without importing transformers (a module can only be a ``Conv1D``
 if ``transformers.pytorch_utils`` is already imported).
 """
+import math
 import sys
 
 import torch.nn as nn
@@ -60,6 +61,20 @@ class LayerType:
         """How many rows make one sample, given the rows' leading shape ``lead``."""
         return 1
 
+    def row_tags(self, module, tag, lead):
+        """Which token positions the rows' leading dimensions index, from ``tag``, the row
+        tracker's tag of the module's first input (:mod:`.row_provenance`; None: untagged).
+        The default says it cannot tell (the rows then use no mask and are reported);
+        a type whose rows keep its input's leading dimensions returns ``tag[:-1]``."""
+        if tag is None:
+            return None
+        reason = f"the {self.name} layer type does not map its rows to its input (row_tags)"
+        return tuple((("x", reason, n),) for n in lead)
+
+    def rows_lead(self, module, x, output):
+        """The rows' leading shape, without forming the rows."""
+        return tuple(self.input_rows(module, x).shape[:-1])
+
     def as_matrix(self, module, weight_like):
         """A tensor shaped like ``module.weight`` as the (d_out, d_in) matrix, a *view* of it
         (writing into the view writes the tensor). The gradient's layout: under FSDP2 the
@@ -87,10 +102,16 @@ class LinearType(LayerType):
         return tuple(module.weight.shape)
 
     def input_rows(self, module, x):
-        return x
+        return x if x.dim() > 1 else x.unsqueeze(0)  # an unbatched sample: a batch of one
 
     def grad_rows(self, module, g):
-        return g
+        return g if g.dim() > 1 else g.unsqueeze(0)
+
+    def row_tags(self, module, tag, lead):
+        return None if tag is None or len(tag) < 2 else tag[:-1]
+
+    def rows_lead(self, module, x, output):
+        return tuple(x.shape[:-1]) if x.dim() > 1 else (1,)
 
     def as_matrix(self, module, weight_like):
         return weight_like
@@ -113,19 +134,38 @@ class Conv2dType(LayerType):
         return None
 
     def shape(self, module):
-        return module.weight.shape[0], module.weight[0].numel()
+        return module.weight.shape[0], math.prod(module.weight.shape[1:])
 
     def input_rows(self, module, x):
+        if x.dim() == 3:  # an unbatched (C, H, W) sample: a batch of one
+            x = x.unsqueeze(0)
         x, padding = conv_input(module, x)
         patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding,
                            stride=module.stride)
         return patches.transpose(1, 2)
 
     def grad_rows(self, module, g):
+        if g.dim() == 3:
+            g = g.unsqueeze(0)
         return g.flatten(2).transpose(1, 2)
 
     def rows_per_sample(self, lead):
         return lead[-1]
+
+    def row_tags(self, module, tag, lead):
+        """(sample, position) rows: the batch's tag; a token axis among the spatial
+        dimensions cannot be followed through the patches (the rows mix positions)."""
+        if tag is None or len(tag) != 4:
+            return None if tag is None else LayerType.row_tags(self, module, tag, lead)
+        if any(e is not None for e in tag[1:]):
+            return (tag[0], (("x", "a convolution's patches across token positions",
+                              lead[1]),))
+        return (tag[0], None)
+
+    def rows_lead(self, module, x, output):
+        if output.dim() == 3:
+            return (1, output.shape[1] * output.shape[2])
+        return (output.shape[0], output.shape[2] * output.shape[3])
 
     def as_matrix(self, module, weight_like):
         return weight_like.view(weight_like.shape[0], -1)
@@ -153,10 +193,16 @@ class HFConv1DType(LayerType):
         return d_out, d_in
 
     def input_rows(self, module, x):
-        return x
+        return x if x.dim() > 1 else x.unsqueeze(0)
 
     def grad_rows(self, module, g):
-        return g
+        return g if g.dim() > 1 else g.unsqueeze(0)
+
+    def row_tags(self, module, tag, lead):
+        return None if tag is None or len(tag) < 2 else tag[:-1]
+
+    def rows_lead(self, module, x, output):
+        return tuple(x.shape[:-1]) if x.dim() > 1 else (1,)
 
     def as_matrix(self, module, weight_like):
         return weight_like.T

@@ -144,6 +144,10 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             size: factor memory divided by the world size; the owner gathers the
             gradient, preconditions it and scatters the rows back). :mod:`.fsdp`.
         process_group: process group for averaging vectors (default: the world).
+        self_check: check each capture (:mod:`.self_check`) on the first capture step and
+            every ``self_check``-th after it (default 10; None: never): padding rows carry
+            no gradient, and each weight's gradient is the sum of g a^T over its captured
+            rows; a violation falls back and is reported (:meth:`capture_report`).
         comm_overlap: launch the vector all-reduce asynchronously as soon as a backward
             pass has reached every captured layer, instead of in :meth:`step` (same
             result; every rank must run the same forward/backward structure, and with
@@ -169,7 +173,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, max_factor_dim=8192,
                  token_mask="attention_mask", factor_placement="replicated", grad_scaler=None,
-                 process_group=None, comm_overlap=False):
+                 process_group=None, comm_overlap=False, self_check=10):
         self._bind(model, optimizer, grad_scaler)
         self.options = o = MKOROptions(
             inv_freq=inv_freq, stat_decay=stat_decay, variant=variant, zeta=zeta,
@@ -187,7 +191,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         check_bool("comm_overlap", comm_overlap)
         self.process_group = process_group
         found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
-        self._layers, self._skipped = found.layers, found.skipped
+        self._layers, self._skipped, self._frozen = found.layers, found.skipped, found.frozen
         check_supported_sharding(unwrap_model(model), self._layers, "MKOR")
         self._owners = owner_map(self._layers, o.factor_placement, "MKOR")
         warn_identity_sides("MKOR", self._layers, o.factor_dtype.itemsize)
@@ -200,7 +204,8 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
         self._exchange = VectorExchange(self._layers, model, o.compute_dtype, o.comm_dtype,
                                         o.average, process_group)
-        hooks = dict(grad_hook=o.grad_hook, model=unwrap_model(model), mask_kwarg=o.token_mask)
+        hooks = dict(grad_hook=o.grad_hook, model=unwrap_model(model), mask_kwarg=o.token_mask,
+                     self_check=self_check)
         if comm_overlap:
             hooks["on_backward_done"] = weak_schedule(self._launch_early)
         self._capture = (OverlapCapture if comm_overlap else Capture)(
@@ -356,10 +361,13 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                     "never got a backward; with grad_hook='module' gradients cannot be paired "
                     "with their forward. Run such forwards under torch.no_grad() or eval(), "
                     "or use grad_hook='tensor' (the default), which pairs them exactly.")
+            self._finish_capture()
             self._update_factors()
         self._capture.reset()
+        released = self._capture.check.released
         for layer in self._layers:
-            self._precondition_layer(layer)
+            if layer.name not in released:
+                self._precondition_layer(layer)
         self._steps += 1
         self._step_scale = None
         self._capture.refresh()  # the hooks' gate for the next step

@@ -116,6 +116,7 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._detached = False
         self._warned = set()
+        self._warned_eval = set()
         self._step_scale = None
 
     def _attach(self, modules):
@@ -165,11 +166,47 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
         self.remove()
         return False
 
-    def masked(self, mask):
-        """Context manager: within it, rows of (B, T) token layers are selected by the
-        (B, T) ``mask`` (nonzero = real token), for models without an ``attention_mask``
-        keyword."""
-        return self._capture.token_mask(mask)
+    def masked(self, mask, batch_first=None):
+        """Context manager: within it, the (B, T) ``mask`` (nonzero = real token) describes
+        the model call's tensor arguments whose batch and position dimensions are (0, 1)
+        (``batch_first=False``: (1, 0); default: the model's own ``batch_first`` attribute,
+        else True), and is followed from them to every layer's rows
+        (:mod:`.token_masks`), for models without an ``attention_mask`` keyword."""
+        return self._capture.token_mask(mask, batch_first)
+
+    def _finish_capture(self):
+        """On a step that consumes statistics: the self-check's verdicts
+        (:mod:`.self_check`) and what the model changed since construction (a layer
+        unfrozen, a layer run in ``eval()`` inside a model in training), each told once."""
+        name = type(self).__name__
+        for layer in self._capture.finish_capture_step(self.process_group):
+            reason = self._capture.check.released[layer]
+            self._skipped[layer] = reason
+            warnings.warn(f"{name}: {layer}: {reason}", RuntimeWarning, stacklevel=4)
+        for layer in list(self._capture.all_rows_new()):
+            warnings.warn(f"{name}: {layer}: {self._capture.check.all_rows[layer]}",
+                          RuntimeWarning, stacklevel=4)
+        for module_name, module in self._frozen.items():
+            weight = module.weight
+            if weight.requires_grad and weight.grad is not None and \
+                    module_name not in self._warned:
+                self._warned.add(module_name)
+                self._skipped[module_name] = (
+                    f"frozen when {name} was built and trainable since step {self._steps}: "
+                    f"not preconditioned (its gradient goes to the backbone unchanged; build a "
+                    f"new {name} to precondition it)")
+                warnings.warn(f"{name}: {module_name} was frozen when {name} was built and is "
+                              "trainable now: it is not preconditioned (its gradient goes to the "
+                              f"backbone unchanged); build a new {name} to precondition it",
+                              UserWarning, stacklevel=4)
+        seen = sorted(self._capture.eval_seen - self._warned_eval)
+        if seen:
+            self._warned_eval.update(seen)
+            warnings.warn(f"{name}: {', '.join(seen)} ran in eval() mode on a step that captures "
+                          "statistics: statistics are captured in train mode only, so these "
+                          "layers keep the factors they have (the identity if never captured) "
+                          "while their gradients are still preconditioned and rescaled",
+                          UserWarning, stacklevel=4)
 
     @property
     def hooks_registered(self):
