@@ -122,6 +122,26 @@ def test_a_mask_passed_by_position_is_a_mask():
     check(pre, obs, expected, model)
     assert _unmasked_error(obs, expected, model) > 1e-3
     assert pre.unmasked_reasons == {}
+    # a user's forward(x, attention_mask) called positionally (no inner model to rescue it)
+    torch.manual_seed(0)
+    tokens = _TokenModel()
+    pre = _mkor(tokens)
+    obs = Observed(tokens, pre.preconditioned_modules)
+    x = torch.randn(B, T, 3, dtype=f64)
+    (tokens(x, mask) * mask.unsqueeze(-1)).square().sum().backward()
+    expected = {n: mask for n in pre.preconditioned_modules}
+    check(pre, obs, expected, tokens)
+    assert _unmasked_error(obs, expected, tokens) > 1e-3
+
+
+class _TokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 5), nn.Linear(5, 2)
+        self.double()
+
+    def forward(self, x, attention_mask):
+        return self.b(torch.tanh(self.a(x)))
 
 
 # -- 2. a wrapper fed a dict batch -------------------------------------------------------------
@@ -276,16 +296,18 @@ class _Tied(nn.Module):
         self.double()
 
     def forward(self, x):
-        h = torch.tanh(self.enc(x))
+        h = torch.tanh(self.enc(x)) if self.second_use != "only missed calls" else None
         if self.second_use == "functional":
             h = h + F.linear(torch.tanh(h @ self.enc.weight), self.enc.weight)
         elif self.second_use == "missed call":
             h = h + self.enc.forward(torch.tanh(x)).tanh()  # forward() skips the hooks
+        elif self.second_use == "only missed calls":
+            h = torch.tanh(self.enc.forward(x))
         return self.out(h)
 
 
 @pytest.mark.parametrize("kind", [MKOR, KFAC])
-@pytest.mark.parametrize("second_use", ["functional", "missed call"])
+@pytest.mark.parametrize("second_use", ["functional", "missed call", "only missed calls"])
 def test_a_weight_with_another_use_is_released_and_reported(kind, second_use):
     model = _Tied(second_use)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -370,9 +370,9 @@ MUTANTS = {
         Mutant(T_TM, "            if mask_kwarg in signature.parameters or module is model:",
                "            if module is model:",
                tests=("theory_tests/mkor/test_capture_masks.py::test_a_wrapper_fed_a_dict_batch_reads_the_mask_where_it_enters_the_inner_model",)),
-        # Pointwise: an operand's broadcast size-1 dimension carries its tag.
-        Mutant(T_RP, "            if j >= 0 and tag is not None and shape[j] == out_shape[i]:",
-               "            if j >= 0 and tag is not None:"),
+        # embedding: the looked-up rows lose the indices' positions.
+        Mutant(T_RP, "    return (tuple(indices) if indices is not None else (None,) * args[1].dim()) + (None,)",
+               "    return (None,) * args[1].dim() + (None,)"),
         # Matrix products: the right operand's tags taken for the rows.
         Mutant(T_RP, "    rows = a[0] if a is not None else None\n    cols = b[1] if b is not None else None\n    return (rows, cols)",
                "    rows = b[0] if b is not None else None\n    cols = b[1] if b is not None else None\n    return (rows, cols)"),
@@ -403,8 +403,6 @@ MUTANTS = {
         # discovery follows the model: a layer unfrozen later is never told
         Mutant(T_W, "            if weight.requires_grad and weight.grad is not None and \\",
                "            if False and \\"),
-        Mutant(T_C, "                        self.eval_seen.add(layer.name)\n                    return",
-               "                        pass\n                    return"),
         Mutant(T_C, "            if state == \"eval\":\n                if output.requires_grad:\n                    self.eval_seen.add(layer.name)",
                "            if state == \"eval\":\n                if output.requires_grad:\n                    pass"),
     ],
