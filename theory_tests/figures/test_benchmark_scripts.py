@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from figures.bench import optimizer_step as bench
+from figures.bench import capture_cost as bench_capture_cost
 from figures.bench import factor_update as bench_factor_update
 
 
@@ -58,3 +59,9 @@ def test_mars_m_benchmark_eager_float32_on_a_tiny_list():
     assert set(ratios) == {"eager: best MARS-M eager / Muon eager"} and compile_s == {}
     assert set(times) == {"Muon (torch) eager", "MARS-M loop", "MARS-M foreach"}
     assert all(t > 0 for t in times.values())
+
+
+def test_capture_cost_benchmark_times_every_contender():
+    """Every (model, mask, optimizer, self_check) contender ran and was timed."""
+    times = bench_capture_cost.main(["--repeats", "1", "--steps", "1", "--mlp-width", "32"])
+    assert len(times) == 12 and all(len(ts) == 1 and ts[0] > 0 for ts in times.values())

@@ -17,7 +17,8 @@ that merges (B, T) into B*T rows keeps both atoms in one dimension, and a view t
 them again gets them back):
 
 * ``("t", src, axis, start, step, length)``: positions ``start + step * i`` of axis
-  ``axis`` (0: batch, 1: positions) of mask number ``src``;
+  ``axis`` (0: batch, 1: positions) of mask number ``src`` (for the batch axis, ``src`` is
+  :func:`batch_key` (B): every mask of a call with B rows indexes the same samples);
 * ``("f", length)``: a stretch that indexes nothing (a head dimension merged with the batch);
 * ``("x", reason, length)``: lost: an operation the tracker cannot follow (advanced
   indexing, a sort, a concatenation along the tokens) produced it.
@@ -44,16 +45,23 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-__all__ = ["RowTracker", "RowsMask", "rows_mask", "token_tag"]
+__all__ = ["RowTracker", "RowsMask", "batch_key", "rows_mask", "token_tag"]
 
 aten = torch.ops.aten
+
+
+def batch_key(size):
+    """The batch axis is one for every mask of a call with the same B: an encoder's and a
+    decoder's masks index the same samples, and an operation that combines their tensors
+    at batch index b combines sample b of each."""
+    return ("batch", size)
 
 
 def token_tag(src, ndim, batch_dim=0, seq_dim=1, size=None):
     """The tag of a tensor whose ``batch_dim`` and ``seq_dim`` index mask ``src``'s batch and
     positions; ``size``: the mask's shape (B, T)."""
     entries = [None] * ndim
-    entries[batch_dim] = (("t", src, 0, 0, 1, size[0]),)
+    entries[batch_dim] = (("t", batch_key(size[0]), 0, 0, 1, size[0]),)
     entries[seq_dim] = (("t", src, 1, 0, 1, size[1]),)
     return tuple(entries)
 
@@ -637,17 +645,21 @@ def rows_mask(entries, lead, masks, cache=None):
     tagged = [a for a in flat if a[0] == "t"]
     if not tagged:
         return _NO_MASK
-    srcs = {a[1] for a in tagged}
-    if len(srcs) > 1:
+    seq = [a for a in tagged if a[2] == 1]
+    batch = [a for a in tagged if a[2] == 0]
+    if not seq:
+        if len(batch) == 1:
+            return RowsMask(None, "per sample")
+        return RowsMask(None, "untied", "its rows index the batch more than once")
+    if len({a[1] for a in seq}) > 1:
         return RowsMask(None, "untied", "its rows combine the positions of two token masks")
-    axes = sorted(a[2] for a in tagged)
-    if axes == [0]:
-        return RowsMask(None, "per sample")
-    if axes != [0, 1]:
-        why = ("its rows index token positions but not samples" if axes == [1] else
+    src = seq[0][1]
+    if len(seq) != 1 or len(batch) != 1:
+        why = ("its rows index token positions but not samples" if not batch else
                "its rows index one token axis more than once")
         return RowsMask(None, "untied", why)
-    src = tagged[0][1]
+    if batch[0][1] != batch_key(masks[src].shape[0]):
+        return RowsMask(None, "untied", "its rows' batch is not its positions' mask's")
     key = (src, tuple(flat))
     if cache is not None and key in cache:
         return cache[key]

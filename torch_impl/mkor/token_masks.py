@@ -239,7 +239,8 @@ class MaskEntries:
             tag = ctx.tracker.tag_of(value)
             if tag is None:
                 continue
-            srcs = {a[1] for e in tag if e is not None for a in e if a[0] == "t"}
+            srcs = {a[1] for e in tag if e is not None for a in e
+                    if a[0] == "t" and a[2] == 1}  # the masks of its positions
             if srcs and srcs != {src}:
                 alias = value.view_as(value)
                 ctx.tracker.set_tag(alias, None)
