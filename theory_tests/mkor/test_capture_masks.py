@@ -85,6 +85,16 @@ def check(pre, observed, expected_masks, model, rtol=1e-12, atol=1e-14):
     return worst
 
 
+def _measured(case, pre, observed, expected_masks, model, **tol):
+    """check() with the case's numbers printed: the largest |difference| from the
+    independent computation, and how far all rows (no mask) would be from it."""
+    worst = check(pre, observed, expected_masks, model, **tol)
+    teeth = _unmasked_error(observed, expected_masks, model)
+    print(f"\n[capture-masks] {case}: max |a_bar, g_bar - independent| = {worst:.2g}; "
+          f"all rows would be off by {teeth:.2g}")
+    return teeth
+
+
 def _unmasked_error(observed, expected_masks, model):
     """How far the statistics with all rows are from the right ones (the case's teeth)."""
     worst = 0.0
@@ -119,8 +129,7 @@ def test_a_mask_passed_by_position_is_a_mask():
     labels = torch.where(mask.bool(), ids, -100)
     model(ids, mask, labels=labels).loss.backward()
     expected = {n: mask for n in names}
-    check(pre, obs, expected, model)
-    assert _unmasked_error(obs, expected, model) > 1e-3
+    assert _measured("bert positional", pre, obs, expected, model) > 1e-3
     assert pre.unmasked_reasons == {}
     # a user's forward(x, attention_mask) called positionally (no inner model to rescue it)
     torch.manual_seed(0)
@@ -130,8 +139,7 @@ def test_a_mask_passed_by_position_is_a_mask():
     x = torch.randn(B, T, 3, dtype=f64)
     (tokens(x, mask) * mask.unsqueeze(-1)).square().sum().backward()
     expected = {n: mask for n in pre.preconditioned_modules}
-    check(pre, obs, expected, tokens)
-    assert _unmasked_error(obs, expected, tokens) > 1e-3
+    assert _measured("user forward positional", pre, obs, expected, tokens) > 1e-3
 
 
 class _TokenModel(nn.Module):
@@ -170,8 +178,7 @@ def test_a_wrapper_fed_a_dict_batch_reads_the_mask_where_it_enters_the_inner_mod
     out = model({"input_ids": _ids(), "attention_mask": mask})
     (out * mask.unsqueeze(-1)).square().sum().backward()
     expected = {n: mask for n in names}
-    check(pre, obs, expected, model)
-    assert _unmasked_error(obs, expected, model) > 1e-3
+    assert _measured("wrapper dict batch", pre, obs, expected, model) > 1e-3
 
 
 # -- 3. sequence-first rows --------------------------------------------------------------------
@@ -188,8 +195,7 @@ def test_xlnet_feed_forward_rows_are_sequence_first():
     # XLNet transposes its inputs: the feed-forward rows are (T, B), the LM head's (B, T)
     expected = {n: (mask.T if ".ff." in n else mask) for n in names}
     assert any(".ff." in n for n in names)
-    check(pre, obs, expected, model)
-    assert _unmasked_error(obs, expected, model) > 1e-3
+    assert _measured("xlnet", pre, obs, expected, model) > 1e-3
     assert pre.unmasked_reasons == {}
 
 
@@ -220,8 +226,7 @@ def test_fsmt_layers_are_sequence_first_and_its_head_batch_first():
             or ".encoder_attn.v_proj" in name
         return (enc if reads_encoder else dec).T
     expected = {n: prescribed(n) for n in names}
-    check(pre, obs, expected, model, rtol=1e-5, atol=1e-6)
-    assert _unmasked_error(obs, expected, model) > 1e-3
+    assert _measured("fsmt", pre, obs, expected, model, rtol=1e-5, atol=1e-6) > 1e-3
     assert pre.unmasked_reasons == {}
 
 
@@ -272,8 +277,7 @@ def test_clip_towers_each_read_their_own_mask():
     text = [n for n in names if n.startswith("text_model.")]
     assert vision and text
     expected = {**{n: None for n in vision}, **{n: mask for n in text}}
-    check(pre, obs, expected, model)
-    assert _unmasked_error(obs, expected, model) > 1e-3
+    assert _measured("clip", pre, obs, expected, model) > 1e-3
     report = pre.capture_report()
     assert {report[n]["mask"] for n in vision} == {"none"}
     assert {report[n]["mask"] for n in text} == {"tokens"}
@@ -311,8 +315,7 @@ def test_cross_attention_keys_and_values_follow_the_encoder_through_its_projecti
         return enc_mask if name.startswith("encoder.") or cross_kv or \
             name == "enc_to_dec_proj" else dec_mask
     expected = {n: prescribed(n) for n in names}
-    check(pre, obs, expected, model)
-    assert _unmasked_error(obs, expected, model) > 1e-3
+    assert _measured("encoder-decoder projection", pre, obs, expected, model) > 1e-3
     assert pre.unmasked_reasons == {}
 
 

@@ -370,6 +370,11 @@ MUTANTS = {
         Mutant(T_TM, "            if mask_kwarg in signature.parameters or module is model:",
                "            if module is model:",
                tests=("theory_tests/mkor/test_capture_masks.py::test_a_wrapper_fed_a_dict_batch_reads_the_mask_where_it_enters_the_inner_model",)),
+        # One batch axis per mask instead of per call: FSMT's decoder rows after
+        # cross-attention combine two "batches" and are left untied.
+        Mutant(T_RP, "    entries[batch_dim] = ((\"t\", batch_key(size[0]), 0, 0, 1, size[0]),)",
+               "    entries[batch_dim] = ((\"t\", src, 0, 0, 1, size[0]),)",
+               tests=("theory_tests/mkor/test_capture_masks.py::test_fsmt_layers_are_sequence_first_and_its_head_batch_first",)),
         # embedding: the looked-up rows lose the indices' positions.
         Mutant(T_RP, "    return (tuple(indices) if indices is not None else (None,) * args[1].dim()) + (None,)",
                "    return (None,) * args[1].dim() + (None,)"),

@@ -81,14 +81,16 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         optimizer: the backbone, any ``torch.optim.Optimizer`` holding the parameters.
         max_factor_dim: factor sides above this (default 8192) are preconditioned by the
             identity instead of being built (:mod:`.discovery`); None: no limit.
-        token_mask: name of the model's forward keyword holding a (B, T) token mask
-            (default ``"attention_mask"``, nonzero = real token): padded positions are kept
-            out of the statistics. Which mask a layer reads follows from where it sits
-            (:mod:`.token_masks`: for an encoder-decoder model the decoder's layers read
+        token_mask: name of the forward parameter holding a (B, T) token mask (default
+            ``"attention_mask"``, nonzero = real token), wherever it enters the model (any
+            module whose forward takes it, bound to its signature: :mod:`.token_masks`):
+            padded positions are kept out of the statistics. Which mask a layer's rows read,
+            and in which layout, is followed from the model's operations
+            (:mod:`.row_provenance`; for an encoder-decoder model the decoder reads
             ``decoder_attention_mask`` or ``labels != -100``), also in a checkpoint's
-            recompute; a layer whose rows cannot be matched to its mask uses all of them
-            and is listed in :attr:`unmasked_reasons`. None: off. :meth:`masked` sets a mask
-            by hand.
+            recompute; a layer whose rows cannot be tied to a mask uses all of them and is
+            listed in :attr:`unmasked_reasons`. None: off. :meth:`masked` sets a mask by
+            hand.
         grad_scaler: the ``torch.amp.GradScaler`` of the loop, if it calls
             ``scaler.unscale_(mkor)`` before ``scaler.step(mkor)`` (its scale is then read
             from it, sync-free); ``scaler.step`` alone needs nothing (:mod:`.wrapper`).

@@ -39,7 +39,6 @@ broadcast to the rows' layout), the batch axis only (one row per sample: all row
 no atom at all (the rows come from inputs no mask describes), or anything else (the rows
 cannot be tied to a mask: all rows are used and the reason is reported).
 """
-import math
 import weakref
 
 import torch
@@ -74,7 +73,7 @@ def _lost(reason, length):
     return (("x", reason, length),)
 
 
-def _lost_all(tag, shape, reason):
+def _lost_all(shape, reason):
     """Every dimension of an output lost (an operation the tracker cannot follow)."""
     return tuple(_lost(reason, n) for n in shape)
 
@@ -133,7 +132,7 @@ def _view(tag, old, new):
                 continue
             need = n // size
             if need * size != n or length % need:
-                return _lost_all(None, new, "a view that splits a token dimension unevenly")
+                return _lost_all(new, "a view that splits a token dimension unevenly")
             head, tail = _split_atom(atom, need)
             entry.append(head)
             atoms.insert(0, tail)
@@ -481,24 +480,16 @@ _ATTENTION = tuple(getattr(aten, name) for name in (
     "scaled_dot_product_attention", "_efficient_attention_forward", "_flash_attention_forward")
     if hasattr(aten, name))
 _REDUCE = (aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.std,
-           aten.var_mean, aten.std_mean, aten.logsumexp, aten.prod, aten.any, aten.all, aten.argmax, aten.argmin, aten.count_nonzero)
+           aten.var_mean, aten.std_mean, aten.logsumexp, aten.prod, aten.any, aten.all,
+           aten.argmax, aten.argmin, aten.count_nonzero)
 _RNN = tuple(getattr(aten, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu",
                                               "mkldnn_rnn_layer", "_thnn_fused_lstm_cell")
              if hasattr(aten, name))
 
-RULES = {}
-for _op in _SAME:
-    RULES[_op] = _same
-for _op in _VIEWS:
-    RULES[_op] = _rule_view
-for _op in _FIRST:
-    RULES[_op] = _rule_first_like_input
-for _op in _ATTENTION:
-    RULES[_op] = _rule_attention
-for _op in _REDUCE:
-    RULES[_op] = _rule_reduce
-for _op in _RNN:
-    RULES[_op] = _rule_rnn
+RULES = {op: rule for ops, rule in ((_SAME, _same), (_VIEWS, _rule_view),
+                                    (_FIRST, _rule_first_like_input),
+                                    (_ATTENTION, _rule_attention), (_REDUCE, _rule_reduce),
+                                    (_RNN, _rule_rnn)) for op in ops}
 RULES.update({
     aten.permute: _rule_permute, aten.transpose: _rule_transpose, aten.t: _rule_transpose,
     aten.expand: _rule_expand, aten.unsqueeze: _rule_unsqueeze, aten.squeeze: _rule_squeeze,
@@ -556,7 +547,7 @@ class RowTracker(TorchDispatchMode):
             self._tags.pop(id(t), None)
             return
         if len(tag) != t.dim():
-            tag = _lost_all(None, tuple(t.shape), "a rule's output rank did not match")
+            tag = _lost_all(tuple(t.shape), "a rule's output rank did not match")
         self._tags[id(t)] = (weakref.ref(t), tag)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -580,7 +571,7 @@ class RowTracker(TorchDispatchMode):
                 return out  # written in place: a tensor keeps the positions it had
         try:
             if rule is None:
-                results = [_lost_all(None, tuple(o.shape), f"{packet.__name__} (not followed)")
+                results = [_lost_all(tuple(o.shape), f"{packet.__name__} (not followed)")
                            if isinstance(o, torch.Tensor) else None for o in outs]
             elif rule in (_rule_split, _rule_unbind):
                 results = rule(tags, args, kwargs, outs)
@@ -588,7 +579,7 @@ class RowTracker(TorchDispatchMode):
                 results = [rule(tags, args, kwargs, outs[0])] + [None] * (len(outs) - 1)
         except (IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError):
             reason = f"{packet.__name__} (its arguments were not understood)"
-            results = [_lost_all(None, tuple(o.shape), reason) if isinstance(
+            results = [_lost_all(tuple(o.shape), reason) if isinstance(
                 o, torch.Tensor) else None for o in outs]
         for o, tag in zip(outs, results):
             if isinstance(o, torch.Tensor):
