@@ -230,6 +230,36 @@ def test_fsmt_layers_are_sequence_first_and_its_head_batch_first():
     assert pre.unmasked_reasons == {}
 
 
+class _Recurrent(nn.Module):
+    def __init__(self, cell, batch_first):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.out = nn.Embedding(50, 6), nn.Linear(5, 3)
+        self.cell = cell(6, 5, batch_first=batch_first)
+        self.batch_first = batch_first
+        self.double()
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids if self.batch_first else input_ids.T)
+        return self.out(self.cell(h)[0])
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_recurrent_layers_keep_their_rows_layout(cell, batch_first):
+    """The head after an LSTM / GRU reads the mask in the recurrent layer's layout (GRU's
+    kernels decompose into a loop over time steps; the module's documented layout carries
+    the positions across it)."""
+    model = _Recurrent(cell, batch_first)
+    pre = _mkor(model)
+    obs = Observed(model, ["out"])
+    mask = _mask()
+    keep = mask.bool() if batch_first else mask.bool().T
+    (model(_ids(), mask) * keep.unsqueeze(-1)).square().sum().backward()
+    assert _measured(f"{cell.__name__} batch_first={batch_first}", pre, obs, {"out": keep},
+                     model) > 1e-3
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_a_torch_encoder_layer_reads_the_mask_in_its_own_layout(batch_first):
     torch.manual_seed(0)

@@ -375,6 +375,10 @@ MUTANTS = {
         Mutant(T_RP, "    entries[batch_dim] = ((\"t\", batch_key(size[0]), 0, 0, 1, size[0]),)",
                "    entries[batch_dim] = ((\"t\", src, 0, 0, 1, size[0]),)",
                tests=("theory_tests/mkor/test_capture_masks.py::test_fsmt_layers_are_sequence_first_and_its_head_batch_first",)),
+        # torch's recurrent layers' documented layout not applied (GRU's loop loses it).
+        Mutant(T_C, "                ctx.tracker.set_tag(out, tuple(tag[:-1]) + (None,))",
+               "                pass",
+               tests=("theory_tests/mkor/test_capture_masks.py::test_recurrent_layers_keep_their_rows_layout",)),
         # embedding: the looked-up rows lose the indices' positions.
         Mutant(T_RP, "    return (tuple(indices) if indices is not None else (None,) * args[1].dim()) + (None,)",
                "    return (None,) * args[1].dim() + (None,)"),

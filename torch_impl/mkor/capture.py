@@ -344,6 +344,20 @@ class Capture:
         with _untracked(self._call):
             return self._entries.enter(self._call, module, args, kwargs)
 
+    def _rnn_hook(self, module, args, kwargs, output):
+        """torch's recurrent layers document their layout: output[0] has the input's
+        (batch, time) dimensions (``batch_first`` says which is which; both keep their
+        places), however the layer's kernels decompose (GRU's per-step loop would lose it)."""
+        ctx = self._call
+        if ctx is None or ctx.tracker is None or _in_backward():
+            return
+        x = _first_tensor(args, kwargs)
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and x.dim() == out.dim():
+            tag = ctx.tracker.tag_of(x)
+            if tag is not None:
+                ctx.tracker.set_tag(out, tuple(tag[:-1]) + (None,))
+
     def _model_post_hook(self, module, args, kwargs, output):
         if _in_backward() or not self._call_stack:
             return
@@ -670,6 +684,10 @@ class Capture:
                 gate(self._model_pre_hook), with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
                 gate(self._model_post_hook), with_kwargs=True, always_call=True))
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.RNNBase):
+                    self._handles.append(module.register_forward_hook(
+                        gate(self._rnn_hook), with_kwargs=True))
             for module in (self._entries.modules() if self._entries is not None else ()):
                 if module is not self.model:
                     self._handles.append(module.register_forward_pre_hook(

@@ -143,14 +143,19 @@ def _view(tag, old, new):
     return tuple(tuple(e) if any(a[0] != "f" for a in e) else None for e in entries)
 
 
-def _attach(entries, pos, atoms):
-    """``entries`` with the length-1 ``atoms`` of a removed dimension kept on a neighbour."""
-    atoms = [a for a in atoms if a[0] != "f"]
+def _attach(entries, pos, atoms, shape):
+    """``entries`` (of a tensor of ``shape``) with the length-1 ``atoms`` of a removed
+    dimension kept on a neighbour (they do not change its size)."""
+    atoms = [a for a in atoms if a[0] != "f" and _length(a) == 1]
     if not atoms or not entries:
         return tuple(entries)
     entries = list(entries)
     pos = min(pos, len(entries) - 1)
-    entries[pos] = tuple(atoms) + (entries[pos] if entries[pos] is not None else ())
+    tagged = [i for i, e in enumerate(entries) if _tagged(e)]
+    if tagged:  # ride with a dimension that indexes a mask (it survives products)
+        pos = min(tagged, key=lambda i: abs(i - pos))
+    rest = entries[pos] if entries[pos] is not None else (("f", shape[pos]),)
+    entries[pos] = tuple(atoms) + rest
     return tuple(entries)
 
 
@@ -258,7 +263,8 @@ def _rule_squeeze(tags, args, kwargs, out):
     kept = tuple(e for i, e in enumerate(tag) if i not in gone)
     for i in sorted(gone):
         if tag[i] is not None:
-            kept = _attach(kept, sum(1 for j in range(i) if j not in gone), tag[i])
+            kept = _attach(kept, sum(1 for j in range(i) if j not in gone), tag[i],
+                           _shape(out))
     return kept
 
 
@@ -273,17 +279,20 @@ def _rule_slice(tags, args, kwargs, out):
 
 
 def _rule_select(tags, args, kwargs, out):
-    """One index of a dimension. Of the batch axis: the rows of that sample (the batch
-    stretch pinned to one position rides along); of the positions: one row per sample (a
-    pooled or first-token row takes part whatever the mask says of its position)."""
+    """One index of a dimension: the position it picks stays as a length-1 stretch on a
+    neighbouring dimension (a sample's rows, a first-token row), so that a ``stack`` of the
+    picks along a new dimension (a recurrent loop over time steps) gets the axis back."""
     tag, shape = tags[0], _shape(args[0])
     dim = _dim(args[1], len(shape))
     kept = tuple(e for i, e in enumerate(tag) if i != dim)
     entry = tag[dim]
-    if entry is not None and len(entry) == 1 and entry[0][0] == "t" and entry[0][2] == 0:
+    if entry is not None and len(entry) == 1 and entry[0][0] == "t":
         _, src, axis, start, step, _ = entry[0]
         index = args[2] + shape[dim] if args[2] < 0 else args[2]
-        kept = _attach(kept, dim, [("t", src, axis, start + step * index, 1, 1)])
+        kept = _attach(kept, dim, [("t", src, axis, start + step * index, 1, 1)], _shape(out))
+    elif entry is not None and any(a[0] != "f" for a in entry):
+        kept = _attach(kept, dim, [("x", "an index into merged token dimensions", 1)],
+                       _shape(out))
     return kept
 
 
@@ -404,12 +413,40 @@ def _rule_cat(tags, args, kwargs, out):
     return tuple(result)
 
 
+def _pinned(entry):
+    """(the length-1 tagged stretches of ``entry``, the rest)."""
+    if entry is None:
+        return (), None
+    pins = tuple(a for a in entry if a[0] == "t" and _length(a) == 1)
+    rest = tuple(a for a in entry if not (a[0] == "t" and _length(a) == 1))
+    return pins, (rest if any(a[0] != "f" for a in rest) else None)
+
+
 def _rule_stack(tags, args, kwargs, out):
+    """The other dimensions merge; the new one indexes nothing, unless each operand is one
+    pick of the same axis at evenly spaced positions (a loop over time steps): then it
+    indexes those positions again."""
     dim = _dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim())
     rest = [i for i in range(out.dim()) if i != dim]
     result = [None] * out.dim()
+    picks = []
+    for tag in tags:
+        pins = [p for e in (tag or ()) for p in _pinned(e)[0]]
+        picks.append(pins[0] if len(pins) == 1 else None)
+    recovered = None
+    if len(tags) > 1 and all(p is not None for p in picks):
+        srcs = {(p[1], p[2]) for p in picks}
+        starts = [p[3] for p in picks]
+        step = starts[1] - starts[0]
+        if len(srcs) == 1 and step > 0 and all(b - a == step for a, b in zip(starts, starts[1:])):
+            (src, axis), = srcs
+            recovered = (("t", src, axis, starts[0], step, len(tags)),)
     for k, i in enumerate(rest):
-        result[i] = _merge([tag[k] if tag is not None else None for tag in tags], out.shape[i])
+        entries = [tag[k] if tag is not None else None for tag in tags]
+        if recovered is not None:
+            entries = [_pinned(e)[1] for e in entries]
+        result[i] = _merge(entries, out.shape[i])
+    result[dim] = recovered
     return tuple(result)
 
 
@@ -494,7 +531,8 @@ RULES.update({
     aten.permute: _rule_permute, aten.transpose: _rule_transpose, aten.t: _rule_transpose,
     aten.expand: _rule_expand, aten.unsqueeze: _rule_unsqueeze, aten.squeeze: _rule_squeeze,
     aten.slice: _rule_slice, aten.select: _rule_select, aten.split: _rule_split,
-    aten.split_with_sizes: _rule_split, aten.unbind: _rule_unbind,
+    aten.split_with_sizes: _rule_split, aten.unsafe_split: _rule_split,
+    aten.unsafe_split_with_sizes: _rule_split, aten.unbind: _rule_unbind,
     aten.mm: _rule_mm, aten.addmm: _rule_addmm, aten.bmm: _rule_bmm,
     aten.baddbmm: _rule_baddbmm, aten.embedding: _rule_embedding, aten.cat: _rule_cat,
     aten.stack: _rule_stack, aten.index_select: _rule_index_select, aten.gather: _rule_gather,
