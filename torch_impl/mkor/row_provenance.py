@@ -30,7 +30,8 @@ position's tag, broadcasting from the right, and two operands that disagree on a
 dimension lose it; matrix products keep the rows of the left operand, the columns of the
 right and the batch of both; ``embedding`` gives the indices' tags; normalisation, softmax,
 dropout, attention kernels (the query's tags) and recurrent layers keep them; a reduction
-or a ``select`` drops the dimension. Every other operation that touches a tagged tensor
+drops the dimension; a ``select`` keeps the picked position as a length-1 stretch (a
+``stack`` of evenly spaced picks, a loop over time steps, gets the axis back). Every other operation that touches a tagged tensor
 marks its outputs lost, with its name as the reason. Nothing is ever inferred from a shape.
 
 :func:`rows_mask` turns the tags of a layer's rows into the rows' mask (or says why there is
