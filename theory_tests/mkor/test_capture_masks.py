@@ -550,6 +550,34 @@ def test_a_hook_that_cannot_handle_a_layer_raises_naming_it():
         unregister_layer_type(kind)
 
 
+def test_whisper_audio_encoder_reads_no_mask_and_its_decoder_its_own():
+    """Whisper: the encoder's rows come from audio features (no mask describes them); the
+    decoder's from the decoder's tokens; cross-attention keys/values from the audio. Every
+    captured layer passes the self-check."""
+    torch.manual_seed(0)
+    config = tf.WhisperConfig(
+        vocab_size=60, num_mel_bins=8, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, d_model=16, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_source_positions=8, max_target_positions=16, pad_token_id=0,
+        decoder_start_token_id=1, bos_token_id=1, eos_token_id=2)
+    model = tf.WhisperForConditionalGeneration(config).double()
+    pre = _mkor(model)
+    names = [n for n in pre.preconditioned_modules if n.startswith("model.decoder.")
+             and ".encoder_attn.k_proj" not in n and ".encoder_attn.v_proj" not in n]
+    obs = Observed(model, names)
+    dec = _mask()
+    ids = _ids(vocab=60)
+    model(input_features=torch.randn(B, 8, 16, dtype=f64), decoder_input_ids=ids,
+          decoder_attention_mask=dec, labels=torch.where(dec.bool(), ids, -100)).loss.backward()
+    assert _measured("whisper decoder", pre, obs, {n: dec for n in names}, model) > 1e-3
+    pre.step()
+    report = pre.capture_report()
+    audio = [n for n in pre.preconditioned_modules if n not in names]
+    assert audio and {report[n]["mask"] for n in audio} == {"none"}
+    assert all(report[n]["self_check"]["weight"] == "pass" for n in pre.preconditioned_modules)
+    assert pre.unmasked_reasons == {}
+
+
 # -- 9. the report -----------------------------------------------------------------------------
 def test_the_capture_report_names_every_module_with_its_mask_rows_and_verdicts():
     model = _bert()
