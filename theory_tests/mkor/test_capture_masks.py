@@ -641,3 +641,24 @@ def test_checkpointed_towers_and_projections_read_the_same_masks(case, reentrant
     listed = {"text_projection"} if case == "clip" else set()
     assert set(pre.unmasked_reasons) == listed
     assert all("index" in why for why in pre.unmasked_reasons.values())
+
+
+def test_a_token_input_the_mask_does_not_fit_is_a_note_of_the_report():
+    """``input_ids`` of shape (B, T + 1) under a (B, T) mask is not tagged (no guess at which
+    T positions the mask means): the layer reads no mask and the report says why."""
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Embedding(50, 4), nn.Linear(4, 2)
+
+        def forward(self, input_ids, attention_mask):
+            return self.out(self.embed(input_ids[:, 1:]))
+
+    model = Shifted().double()
+    pre = _mkor(model)
+    model(_ids(shape=(B, T + 1)), _mask()).sum().backward()
+    report = pre.capture_report()
+    assert report["out"]["mask"] == "none"
+    assert any("input_ids of shape (4, 5)" in note for note in report.notes)
+    assert "note: input_ids" in str(report)

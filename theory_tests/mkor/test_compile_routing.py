@@ -32,45 +32,60 @@ class _Net(nn.Module):
         self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
         self.double()
 
-    def forward(self, x, scale=1.0):
+    def forward(self, x, scale=1.0, attention_mask=None):
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x))))) * scale
 
 
-def _batch(t):
+def _batch(t, masked=False):
     g = torch.Generator().manual_seed(t)
-    return torch.randn(5, 6, generator=g, dtype=f64), torch.randn(5, 3, generator=g, dtype=f64)
+    shape = (5, 4) if masked else (5,)
+    return torch.randn(*shape, 6, generator=g, dtype=f64), torch.randn(*shape, 3, generator=g,
+                                                                        dtype=f64)
 
 
-def _train(kind, compiled, steps=3):
+#: (5, 4) token batches: rows 1 and 3 padded after 2 tokens
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+
+
+def _train(kind, compiled, steps=3, masked=False):
     model = _Net()
     pre = KINDS[kind](model, torch.optim.SGD(model.parameters(), lr=0.05), **SCHEDULE[kind])
     forward = torch.compile(model) if compiled else model
     for t in range(steps):
-        x, y = _batch(t)
-        ((forward(x) - y) ** 2).mean().backward()
+        x, y = _batch(t, masked)
+        if masked:  # the row tracker runs on the capture steps
+            keep = MASK.bool().unsqueeze(-1)
+            ((forward(x, attention_mask=MASK) - y) ** 2 * keep).mean().backward()
+        else:
+            ((forward(x) - y) ** 2).mean().backward()
         pre.step()
         pre.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_compiled_equals_eager_and_breaks_only_around_the_model(kind):
+def test_compiled_equals_eager_and_breaks_only_around_the_model(kind, masked):
     """Three steps (capture, compiled, capture): parameters within 1e-12 of eager (float64;
     inductor reassociates the compiled step's sums, ~1e-16 per operation); dynamo broke its
     graph only at the model's pre-hook, its forward (routed eagerly) and its post-hook, and
-    compiled the step without capture into one graph."""
+    compiled the step without capture into one graph. With a token mask the row tracker
+    (a dispatch mode) runs inside the eager region only: had it been entered in the pre-hook,
+    dynamo would have resumed tracing under it and compiled nothing (measured: 0 graphs)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
-        compiled = _train(kind, compiled=True)
+        compiled = _train(kind, compiled=True, masked=masked)
         disabled = disabled_calls()
         graphs = compiled_graphs()
     finally:
         torch._dynamo.reset()
-    eager = _train(kind, compiled=False)
+    eager = _train(kind, compiled=False, masked=masked)
     for a, b in zip(compiled, eager):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
-    assert disabled == {"Capture._model_pre_hook", "Capture._model_post_hook", "_Net.forward"}
+    # the forward is the model's, called from the router's eager region (row tracker around it)
+    assert disabled == {"Capture._model_pre_hook", "Capture._model_post_hook",
+                        "EagerCaptureSteps.tracked_forward"}
     assert graphs == 1
 
 

@@ -328,8 +328,13 @@ MUTANTS = {
     ],
     "PORT-COMPILE": [
         # A compiled capture step traced through the model: graph breaks at every layer hook.
-        Mutant(T_EC, "        if capture is not None and capture.capturing and torch.compiler.is_compiling():",
-               "        if False:"),
+        Mutant(T_EC, "            if torch.compiler.is_compiling():\n                return self.eager_forward(",
+               "            if False:\n                return self.eager_forward("),
+        # The row tracker entered in the model's pre-hook: dynamo resumes under a dispatch
+        # mode and compiles nothing.
+        Mutant(T_TM, "        if self.in_forward:\n            self.tracker.enter()",
+               "        if True:\n            self.tracker.enter()",
+               tests=("theory_tests/mkor/test_compile_routing.py::test_compiled_equals_eager_and_breaks_only_around_the_model",)),
         # A copy of the model keeps a route to the original's capture.
         Mutant(T_EC, "        return _unrouted, (self.forward,)",
                "        return EagerCaptureSteps, (self.capture, self.forward)"),

@@ -94,7 +94,7 @@ from .self_check import SelfCheck
 from .token_masks import CallContext, MaskEntries, tag_explicit
 from ..common.validation import check_choice
 
-__all__ = ["Capture", "CaptureError", "CaptureReport", "HookedLayers"]
+__all__ = ["Capture", "CaptureError"]
 
 
 def _silence_first_layer_warning():
@@ -296,6 +296,8 @@ class Capture:
         self.last_rows = {}
         #: layers whose forward ran in eval() mode on a capture step (not captured)
         self.eval_seen = set()
+        #: what a mask could not be tied to (an input whose shape is not the mask's)
+        self.mask_notes = set()
         self.check = SelfCheck(self.layers, self_check)
         self._explicit = None   # (mask, batch_first) set by token_mask(); wins over keywords
         self._call = None       # CallContext of the model's forward now running
@@ -337,6 +339,24 @@ class Capture:
         self._call = ctx
         return replaced
 
+    @contextlib.contextmanager
+    def tracking(self):
+        """Around the model's forward on a capture step (:mod:`.eager_capture` calls it, in
+        the eager region a compiled caller does not trace): the call's row tracker is entered
+        while the forward runs, and left when it returns."""
+        ctx = self._call
+        if ctx is None or not self.capturing:
+            yield
+            return
+        ctx.in_forward = True
+        if ctx.tracker is not None:
+            ctx.tracker.enter()
+        try:
+            yield
+        finally:
+            ctx.in_forward = False
+            ctx.close()
+
     def _entry_pre_hook(self, module, args, kwargs):
         """An inner module where masks enter (a tower, a stack, a wrapped model)."""
         if _in_backward() or self._call is None:
@@ -366,6 +386,7 @@ class Capture:
             return
         ctx.close()
         self._masked_seen = self._masked_seen or bool(ctx.masks)
+        self.mask_notes.update(ctx.notes)
         if ctx.regions:
             for node in _checkpoint_nodes(output):
                 self._regions[node] = ctx
@@ -676,7 +697,7 @@ class Capture:
         for weight, names in by_weight.values():
             self._handles.append(weight.register_post_accumulate_grad_hook(
                 BoundHook(self._settle, names)))  # runs in the autograd engine, never traced
-            if self.check.weight_checkable(weight):
+            if self.check.every is not None and self.check.weight_checkable(weight):
                 self._handles.append(weight.register_hook(BoundHook(self._weight_grad, names)))
         if self.model is not None:
             self._router = EagerCaptureSteps.install(self.model, self)
@@ -772,85 +793,3 @@ def weak_schedule(method):
         bound = ref()
         return bound is not None and bound()
     return schedule
-
-
-class HookedLayers:
-    """Introspection shared by the hook-based preconditioners (``MKOR``, ``KFAC``), which keep
-    ``_layers``, ``_skipped`` ({name: reason}) and a ``_steps`` counter."""
-
-    @property
-    def preconditioned_modules(self):
-        """Names of the preconditioned modules (in ``named_modules`` order)."""
-        return [layer.name for layer in self._layers]
-
-    @property
-    def skipped_modules(self):
-        """Names of modules with parameters that go to the backbone unpreconditioned."""
-        return list(self._skipped)
-
-    @property
-    def skip_reasons(self):
-        """{module name: why it is not preconditioned}."""
-        return dict(self._skipped)
-
-    @property
-    def unmasked_reasons(self):
-        """{module name: why its rows were not selected by a token mask}: layers that ran in
-        a call with token masks but whose rows could not be matched to their mask (e.g. a
-        pooler's (B, d) rows, an MoE expert's routed rows); they use all their rows."""
-        return dict(self._capture.unmasked)
-
-    @property
-    def steps(self):
-        return self._steps
-
-    def capture_report(self):
-        """What was captured, in one call: a :class:`CaptureReport` ({module name: row}).
-
-        Each row: ``preconditioned`` (bool) and ``reason`` (why not, or why it stopped);
-        ``mask``: where its rows' mask came from at its last capture ("tokens": a token
-        mask in the rows' own layout; "per sample": one row per sample, all real; "none":
-        its rows come from no masked input, or the call had no mask; "untied": a mask
-        exists but the rows could not be tied to it; "all rows (self-check)"), with
-        ``unmasked`` the reason when the rows use no mask although masks were there;
-        ``rows``: rows counted at its last capture (reading a masked count is a host
-        synchronisation, made here and not in the step); ``self_check``: the verdicts of
-        its last checked capture ({"padding": "pass" | "fail", "weight": "pass" | "fail",
-        "ratio": discrepancy / rounding bound, ...}, empty until checked)."""
-        capture = self._capture
-        released = capture.check.released
-        rows = {}
-        for layer in self._layers:
-            name = layer.name
-            count = capture.last_rows.get(name)
-            rows[name] = {
-                "preconditioned": name not in released,
-                "reason": released.get(name),
-                "mask": capture.mask_source.get(name, "not captured yet"),
-                "unmasked": capture.unmasked.get(name),
-                "rows": None if count is None else int(count),
-                "eval_mode_seen": name in capture.eval_seen,
-                "self_check": dict(capture.check.verdicts.get(name, {})),
-            }
-        for name, reason in self._skipped.items():
-            if name not in rows:
-                rows[name] = {"preconditioned": False, "reason": reason, "mask": None,
-                              "unmasked": None, "rows": None, "eval_mode_seen": False,
-                              "self_check": {}}
-        return CaptureReport(rows)
-
-
-class CaptureReport(dict):
-    """{module name: row} (see ``capture_report``); ``str()`` is a table."""
-
-    def __str__(self):
-        lines = [f"{'module':<40} {'precond.':<8} {'mask':<22} {'rows':>6}  self-check / reason"]
-        for name, row in self.items():
-            check = row["self_check"]
-            verdict = ", ".join(f"{k} {check[k]}" for k in ("padding", "weight") if k in check)
-            why = row["reason"] or row["unmasked"] or ""
-            rows = "" if row["rows"] is None else str(row["rows"])
-            lines.append(f"{name or '<model>':<40} {'yes' if row['preconditioned'] else 'no':<8} "
-                         f"{row['mask'] or '':<22} {rows:>6}  "
-                         f"{'; '.join(x for x in (verdict, why) if x)}")
-        return "\n".join(lines)

@@ -48,13 +48,24 @@ class EagerCaptureSteps:
     def __init__(self, capture, forward):
         self.capture = capture
         self.forward = forward
-        self.eager_forward = torch.compiler.disable(forward)
+        self.eager_forward = torch.compiler.disable(self.tracked_forward)
         functools.update_wrapper(self, forward)  # __wrapped__: signature and name stay
+
+    def tracked_forward(self, *args, **kwargs):
+        """The forward of a capture step, with the call's row tracker around it (entered
+        here, inside the eager region: dynamo never resumes tracing with it active)."""
+        capture = self.capture
+        if capture is None:
+            return self.forward(*args, **kwargs)
+        with capture.tracking():
+            return self.forward(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         capture = self.capture
-        if capture is not None and capture.capturing and torch.compiler.is_compiling():
-            return self.eager_forward(*args, **kwargs)
+        if capture is not None and capture.capturing:
+            if torch.compiler.is_compiling():
+                return self.eager_forward(*args, **kwargs)
+            return self.tracked_forward(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
     def __reduce__(self):

@@ -216,8 +216,11 @@ def _shape(t):
     return tuple(t.shape)
 
 
-def _same(tag, args, kwargs, out):
-    return tag[0]
+def _rule_keep(tags, args, kwargs, out):
+    """Output 0 indexes what input 0 indexes: copies and casts; normalisation, softmax,
+    dropout, ``tril``; attention kernels (each output row is its query's, input 0); writes
+    into a copy of input 0 (``scatter``, ``index_put``, ...)."""
+    return tags[0]
 
 
 def _rule_view(tags, args, kwargs, out):
@@ -355,16 +358,6 @@ def _rule_embedding(tags, args, kwargs, out):
     return (tuple(indices) if indices is not None else (None,) * args[1].dim()) + (None,)
 
 
-def _rule_first_like_input(tags, args, kwargs, out):
-    """Outputs[0] indexes what input 0 indexes (normalisation, softmax, dropout)."""
-    return tags[0]
-
-
-def _rule_attention(tags, args, kwargs, out):
-    """Attention kernels: each output row is its query's (args[0])."""
-    return tags[0]
-
-
 def _rule_reduce(tags, args, kwargs, out):
     tag, nd = tags[0], args[0].dim()
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -394,9 +387,6 @@ def _rule_pad(tags, args, kwargs, out):
     return tuple(tag)
 
 
-def _rule_self(tags, args, kwargs, out):
-    """Writes into a copy of ``self`` (scatter, index_put, ...): self's positions."""
-    return tags[0]
 
 
 def _rule_cat(tags, args, kwargs, out):
@@ -524,9 +514,8 @@ _RNN = tuple(getattr(aten, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_re
                                               "mkldnn_rnn_layer", "_thnn_fused_lstm_cell")
              if hasattr(aten, name))
 
-RULES = {op: rule for ops, rule in ((_SAME, _same), (_VIEWS, _rule_view),
-                                    (_FIRST, _rule_first_like_input),
-                                    (_ATTENTION, _rule_attention), (_REDUCE, _rule_reduce),
+RULES = {op: rule for ops, rule in ((_SAME + _FIRST + _ATTENTION, _rule_keep),
+                                    (_VIEWS, _rule_view), (_REDUCE, _rule_reduce),
                                     (_RNN, _rule_rnn)) for op in ops}
 RULES.update({
     aten.permute: _rule_permute, aten.transpose: _rule_transpose, aten.t: _rule_transpose,
@@ -539,9 +528,9 @@ RULES.update({
     aten.stack: _rule_stack, aten.index_select: _rule_index_select, aten.gather: _rule_gather,
     aten.convolution: _rule_convolution, aten.copy_: _rule_copy_, aten.copy: _rule_copy_,
     aten.linalg_vector_norm: _rule_norm, aten.norm: _rule_norm, aten.constant_pad_nd: _rule_pad,
-    aten.scatter: _rule_self, aten.scatter_add: _rule_self, aten.index_put: _rule_self,
-    aten.index_add: _rule_self, aten.index_fill: _rule_self, aten.index_copy: _rule_self,
-    aten.masked_scatter: _rule_self,
+    aten.scatter: _rule_keep, aten.scatter_add: _rule_keep, aten.index_put: _rule_keep,
+    aten.index_add: _rule_keep, aten.index_fill: _rule_keep, aten.index_copy: _rule_keep,
+    aten.masked_scatter: _rule_keep,
 })
 # ops that produce a scalar or no tensor: nothing to carry
 _NOTHING = {aten._local_scalar_dense, aten.nll_loss_forward, aten.nll_loss2d_forward,

@@ -53,7 +53,7 @@ class CallContext:
     without grad (the first pass of a reentrant checkpoint, replayed by the recompute)."""
 
     __slots__ = ("masks", "tracker", "with_grad", "regions", "nested", "replay", "cache",
-                 "_ids", "decoder_src", "notes", "decoder_unmasked")
+                 "_ids", "decoder_src", "notes", "decoder_unmasked", "in_forward")
 
     def __init__(self):
         self.masks = []
@@ -67,10 +67,12 @@ class CallContext:
         self.decoder_src = {}   # id(decoder stack) -> src of the decoder mask for it
         self.notes = []         # masks that could not be tied to an input, and why
         self.decoder_unmasked = set()  # id(decoder stack) of calls that gave it no mask
+        self.in_forward = False  # the model's forward is running (the tracker may be entered)
 
     def add_mask(self, mask):
         """The src number of ``mask`` (a (B, T) tensor, nonzero = real) in this call; the
-        row tracker starts with the first mask."""
+        row tracker is made with the first mask and entered once the model's forward runs
+        (never in a hook dynamo resumes tracing after: :meth:`~.capture.Capture.tracking`)."""
         key = id(mask)
         if key in self._ids and self.masks[self._ids[key]][1] is mask:
             return self._ids[key]
@@ -78,6 +80,7 @@ class CallContext:
         self._ids[key] = len(self.masks) - 1
         if self.tracker is None:
             self.tracker = RowTracker()
+        if self.in_forward:
             self.tracker.enter()
         return len(self.masks) - 1
 

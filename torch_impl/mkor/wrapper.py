@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from .capture import HookedLayers
+from .report import HookedLayers
 
 __all__ = ["PreconditionedOptimizer"]
 
