@@ -447,6 +447,36 @@ def test_a_wrong_mask_is_caught_by_the_padding_check_and_falls_back_to_all_rows(
     check(pre, obs, {"0": None}, model)
 
 
+def test_a_model_whose_own_decoder_mask_hides_a_real_row_is_caught_by_the_padding_check():
+    """A real model's own mask can be wrong for its rows: ``EncoderDecoderModel`` given labels
+    alone builds its decoder's inputs by shifting the labels right after the start token and
+    masks them where they equal the pad id; with ``decoder_start_token_id == pad_token_id``
+    (a configuration transformers accepts) position 0 is masked though it predicts the first
+    label. The padding check sees its nonzero gradient: the decoder's layers (reading position
+    0's rows) fail, are listed, and use all rows from then on -- against the independent
+    computation with all rows at the next step. The encoder's layers pass."""
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=".*introduces a better way to train encoder-decoder")
+    model = _encoder_decoder()
+    model.config.decoder_start_token_id = model.config.pad_token_id = 0
+    pre = _mkor(model)
+    ids = _ids()
+    labels = _ids(1)  # all real: the only masked decoder row is the start position
+    with pytest.warns(RuntimeWarning, match="padding carried a nonzero output gradient"):
+        model(input_ids=ids, attention_mask=_mask(), labels=labels).loss.backward()
+        pre.step()
+    report = pre.capture_report()
+    failed = {n for n in pre.preconditioned_modules if report[n]["self_check"].get("padding")
+              == "fail"}
+    assert "decoder.bert.encoder.layer.0.output.dense" in failed
+    assert failed <= set(pre.unmasked_reasons)
+    assert not any(n.startswith("encoder.") or n == "enc_to_dec_proj" for n in failed)
+    pre.zero_grad()
+    obs = Observed(model, sorted(failed))
+    model(input_ids=ids, attention_mask=_mask(), labels=labels).loss.backward()
+    check(pre, obs, {n: None for n in failed}, model)
+
+
 def test_self_check_is_scheduled_and_can_be_turned_off():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
@@ -594,6 +624,11 @@ def test_the_capture_report_names_every_module_with_its_mask_rows_and_verdicts()
     assert report["bert.embeddings.word_embeddings"]["preconditioned"] is False
     text = str(report)
     assert "bert.encoder.layer.0.output.dense" in text and "padding pass" in text
+    # one column each, however long a module's name: "precond." starts at one offset
+    header, *lines = text.splitlines()
+    column = header.index("precond.")
+    assert all(line[column - 1] == " " and line[column:column + 2] in ("ye", "no")
+               for line in lines if not line.startswith("note:")), text
 
 
 # -- checkpointing keeps the followed masks ------------------------------------------------

@@ -27,6 +27,7 @@ from theory_tests.support.composition_models import (CASES, DEC_LENGTHS, FEATURE
                                 hash_moe, hash_moe_batch, image_batch, seq2seq_batch,
                                 tiny_albert, tiny_llama, tiny_moe, tiny_t5, tiny_vit)
 from theory_tests.support.composition_observer import Observer, oracle_errors
+from theory_tests.support.composition_rows import default_loss
 
 f64 = torch.float64
 
@@ -118,7 +119,8 @@ class _Recorder:
 
 
 def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=False,
-        observe=False, pre_kwargs=None, compile_kwargs=None, lora_rank=2, timer=None):
+        observe=False, observe_rows=None, pre_kwargs=None, compile_kwargs=None, lora_rank=2,
+        timer=None):
     """Train ``case`` (a :class:`Case` or its name) on ``batches`` (one optimizer step each)
     with preconditioner ``kind`` under loop ``feature``; returns a :class:`Result`.
 
@@ -134,8 +136,10 @@ def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=
     ``torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)``, the context
     Lightning's bf16-mixed plugin enters: Lightning's reference). ``micro`` > 1 with "plain"
     accumulates loss / micro over micro-batches by hand. ``per_sample`` applies the case's
-    ``per_sample`` (ResNet: BatchNorm in eval mode) for runs that split batches, and for their
-    references. ``observe`` attaches an :class:`Observer`. ``timer`` (a list) receives each
+    ``per_sample`` (ResNet: BatchNorm in eval mode) and asks its ``loss`` for a mean over
+    samples (CLIP: the matching-pair logits), for runs that split batches and for their
+    references. The model is called by ``case.loss`` (positionally, with a dict, ...). ``observe`` attaches an :class:`Observer`, with
+    ``observe_rows`` in place of the case's ``rows`` rule when given. ``timer`` (a list) receives each
     step's wall time.
     """
     case = CASES[case] if isinstance(case, str) else case
@@ -157,12 +161,13 @@ def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=
             model = get_peft_model(model, config)
     init = snapshot(model)
     pre = make_preconditioner(kind, model, **(pre_kwargs or {}))
-    observer = (Observer(model, pre.preconditioned_modules, case, kind)
+    observed = case if observe_rows is None else dataclasses.replace(case, rows=observe_rows)
+    observer = (Observer(model, pre.preconditioned_modules, observed, kind)
                 if observe else None)
     rec = _Recorder(kind, pre, observer)
 
     if feature == "lightning_bf16":
-        _lightning_bf16(model, pre, batches, rec, timer)
+        _lightning_bf16(case, model, pre, batches, rec, timer)
     elif feature == "accelerate":
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
@@ -178,7 +183,7 @@ def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=
                 with acc.accumulate(model_p):
                     if observer is not None:
                         observer.batch = part
-                    acc.backward(model_p(**part).loss)
+                    acc.backward(case.loss(model_p, part, per_sample))
                     if acc.sync_gradients:
                         rec.before_step()
                     pre_p.step()
@@ -198,7 +203,7 @@ def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=
                 if observer is not None:
                     observer.batch = part
                 with autocast:
-                    loss = forward(**part).loss
+                    loss = case.loss(forward, part, per_sample)
                 (loss / micro).backward()
             rec.before_step()
             pre.step()
@@ -213,7 +218,7 @@ def run(case, feature, kind, batches, *, seed=0, dtype=f64, micro=1, per_sample=
                   None if observer is None else set(observer.unmatched))
 
 
-def _lightning_bf16(model, pre, batches, rec, timer):
+def _lightning_bf16(case, model, pre, batches, rec, timer):
     """``pl.Trainer(precision="bf16-mixed")`` on CPU, one step per batch. Lightning runs the
     training step under ``torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)``,
     calls ``zero_grad`` inside its closure (between forward and backward) and the closure
@@ -229,7 +234,7 @@ def _lightning_bf16(model, pre, batches, rec, timer):
             self._t0 = time.perf_counter()
             if rec.observer is not None:
                 rec.observer.batch = batch
-            return self.model(**batch).loss
+            return case.loss(self.model, batch)
 
         def configure_optimizers(self):
             return pre
@@ -269,6 +274,7 @@ def ddp_job(rank, world, case_name, kinds, steps, micro, model_fn=None, batch_fn
     {params, factors (per step), counters (or the error reading them), expert_rows}."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     case = CASES.get(case_name)
+    case_loss = default_loss if case is None else case.loss
     batch_fn = batch_fn or (lambda t: case.batch(t, size=world * micro * 2))
     out = {}
     for kind in kinds:
@@ -284,7 +290,7 @@ def ddp_job(rank, world, case_name, kinds, steps, micro, model_fn=None, batch_fn
             parts = _split(_split(batch_fn(t), world)[rank], micro)
             for i, part in enumerate(parts):
                 with contextlib.nullcontext() if i == micro - 1 else ddp.no_sync():
-                    (ddp(**part).loss / micro).backward()
+                    (case_loss(ddp, part, True) / micro).backward()
             pre.step()
             pre.zero_grad()
             factors.append(statistics_of(pre))

@@ -1,4 +1,5 @@
-"""The composition matrix's models, batches and cases (issue 20 item 5).
+"""The composition matrix's models, batches and cases (issue 20 item 5; issue 29's five rows are
+built in :mod:`composition_mask_models`).
 
 Models (random weights, built offline from small configs, dropout 0, float64 unless a feature
 needs otherwise; each builds in a few milliseconds): GPT-2, BERT (MLM) and ResNet from
@@ -26,13 +27,17 @@ from transformers import (AlbertConfig, AlbertForMaskedLM, LlamaConfig, LlamaFor
                           ViTForImageClassification)
 from transformers.modeling_outputs import CausalLMOutput
 
+from theory_tests.support import composition_mask_models as masks
+from theory_tests.support.composition_rows import all_tokens, default_loss, seq2seq_rows, switch_rows
 from theory_tests.support.hf_cases import SEQ, VOCAB, lm_batch, tiny_bert, tiny_gpt2, tiny_resnet
 
 
 f64 = torch.float64
 
 
-MODELS = ["gpt2", "bert", "llama", "t5", "vit", "albert", "resnet", "moe"]
+MODELS = ["gpt2", "bert", "llama", "t5", "vit", "albert", "resnet", "moe",
+          # issue 29: masks a call's shape would get wrong (composition_mask_models)
+          "clip", "xlnet", "encdec", "bert_wrapper", "bert_positional"]
 FEATURES = ["plain", "ckpt_reentrant", "ckpt_nonreentrant", "padding", "compile", "lora",
             "accelerate", "ddp", "lightning_bf16"]
 KINDS = ["mkor", "kfac"]
@@ -304,38 +309,18 @@ def _bn_eval(model):
     return model
 
 
-# -- token masks of the independent computation ----------------------------------------------
-def _decoder_mask(batch):
-    if "decoder_attention_mask" in batch:
-        return batch["decoder_attention_mask"].bool()
-    return batch["labels"] != -100
-
-
-def _token_mask(case, batch, name, lead):
-    """The (B, T) mask that selects layer ``name``'s rows of leading shape ``lead`` in
-    ``batch``, or None when the rows are not tokens of a masked sequence (images, a gathered
-    expert input, a call without a mask). Encoder-decoder models: encoder layers and the
-    cross-attention keys / values read encoder tokens (``attention_mask``); decoder
-    self-attention, cross-attention queries / outputs, FFNs and the head read decoder tokens
-    (``decoder_attention_mask``, else ``labels != -100``)."""
-    if "attention_mask" not in batch:
-        return None
-    if case.seq2seq and not name.startswith("encoder.") and not (
-            ".EncDecAttention.k" in name or ".EncDecAttention.v" in name):
-        mask = _decoder_mask(batch)
-    else:
-        mask = batch["attention_mask"].bool()
-    return mask if tuple(lead) == tuple(mask.shape) else None
-
-
 # -- the cases --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One row of the matrix. ``build(seed=0, dtype=f64)`` -> model in train mode;
-    ``batch(t, size=4, padded=False, pad_seed=0, dtype=f64)`` -> the forward's keyword
-    arguments (with labels); ``checkpointing(model, use_reentrant)``; ``lora_targets`` for
-    peft; ``per_sample(model)`` makes the loss a per-sample mean where it is not (BatchNorm);
-    ``seq2seq`` for encoder-decoder masks."""
+    ``batch(t, size=4, padded=False, pad_seed=0, dtype=f64)`` -> the batch (with labels);
+    ``checkpointing(model, use_reentrant)``; ``lora_targets`` for peft; ``per_sample(model)``
+    makes the loss a per-sample mean where the model does not (BatchNorm); ``seq2seq``
+    adds the padding column's labels-only run; ``loss(model, batch, per_sample)`` calls the
+    model as its users do (default ``model(**batch).loss``; ``per_sample`` asks for a mean
+    over samples where the model's own loss is not one); ``rows(name)`` says what a layer's
+    rows are (:mod:`composition_rows`); ``shape_misleads``: a mask that merely fits a layer's
+    rows' shape (``composition_rows.shape_coincidence``) is the wrong mask for some."""
 
     name: str
     build: object
@@ -346,6 +331,9 @@ class Case:
     per_sample: object = None
     seq2seq: bool = False
     lora_kwargs: tuple = ()
+    loss: object = default_loss
+    rows: object = all_tokens
+    shape_misleads: bool = False
 
 
 CASES = {
@@ -353,14 +341,29 @@ CASES = {
                  lora_kwargs=(("fan_in_fan_out", True),)),
     "bert": Case("bert", tiny_bert, _lm, True, _hf_checkpointing, ("query", "value")),
     "llama": Case("llama", tiny_llama, _lm, True, _hf_checkpointing, ("q_proj", "v_proj")),
-    "t5": Case("t5", tiny_t5, _s2s, True, _hf_checkpointing, ("q", "v"), seq2seq=True),
+    "t5": Case("t5", tiny_t5, _s2s, True, _hf_checkpointing, ("q", "v"), seq2seq=True,
+               rows=seq2seq_rows),
     "vit": Case("vit", tiny_vit, _img(8, 5), False, _hf_checkpointing, ("q_proj", "v_proj")),
     "albert": Case("albert", tiny_albert, _lm, True, _albert_checkpointing,
                    ("query", "value")),
     "resnet": Case("resnet", lambda seed=0, dtype=f64: tiny_resnet(seed).to(dtype), _img(16, 10),
                    False, _resnet_checkpointing, (r".*layers\.0\.layer\.1\.convolution",),
                    per_sample=_bn_eval),
-    "moe": Case("moe", tiny_moe, _s2s, True, _hf_checkpointing, ("q", "v", "wi"), seq2seq=True),
+    "moe": Case("moe", tiny_moe, _s2s, True, _hf_checkpointing, ("q", "v", "wi"), seq2seq=True,
+                rows=switch_rows),
+    "clip": Case("clip", masks.tiny_clip, masks.clip_batch, True, _hf_checkpointing,
+                 ("q_proj", "v_proj"), loss=masks.clip_loss, rows=masks.clip_rows,
+                 shape_misleads=True),
+    "xlnet": Case("xlnet", masks.tiny_xlnet, masks.xlnet_batch, True,
+                  lambda model, reentrant: _checkpoint_modules(model.transformer.layer,
+                                                               reentrant),
+                  ("layer_1",), rows=masks.xlnet_rows, shape_misleads=True),
+    "encdec": Case("encdec", masks.tiny_encdec, _s2s, True, _hf_checkpointing,
+                   ("query", "value"), seq2seq=True, loss=masks.encdec_loss,
+                   rows=masks.encdec_rows, shape_misleads=True),
+    "bert_wrapper": Case("bert_wrapper", masks.tiny_bert_wrapper, _lm, True,
+                         lambda model, reentrant: _hf_checkpointing(model.encoder, reentrant),
+                         ("query", "value"), loss=masks.wrapper_loss),
+    "bert_positional": Case("bert_positional", tiny_bert, _lm, True, _hf_checkpointing,
+                            ("query", "value"), loss=masks.positional_loss),
 }
-
-

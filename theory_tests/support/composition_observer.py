@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
 
-from theory_tests.support.composition_models import _token_mask
+from theory_tests.support.composition_rows import listed_unmasked, token_mask
 
 f64 = torch.float64
 
@@ -34,7 +34,8 @@ class Observer:
     code: a forward hook per layer keeps a copy of its input and calls ``retain_grad()`` on
     its output; after the backward the rows are formed here (Linear / Conv1D: the input's and
     the output gradient's last dimension; Conv2d: ``F.unfold`` patches, L positions per
-    sample) and, with ``case``'s token masks, padded rows are dropped. :meth:`step` turns the
+    sample) and, with the masks ``case.rows`` prescribes (``composition_rows``), padded rows
+    are dropped. :meth:`step` turns the
     rows of every backward since the last call into the statistics of one factor update and
     a bound on the rounding difference from any other summation order:
 
@@ -54,7 +55,7 @@ class Observer:
         self.case, self.kind, self.decay = case, kind, decay
         self.modules = {n: model.get_submodule(n) for n in names}
         self.batch = None
-        self.unmatched = set()     # layers whose rows did not match the batch's token mask
+        self.unmatched = set()     # token layers no (B, T) mask indexes (listed_unmasked)
         self._calls = {n: [] for n in names}
         self._ema = {}
         self._handles = [m.register_forward_hook(self._hook(n), with_kwargs=True)
@@ -85,9 +86,8 @@ class Observer:
             a, g, per_sample = x, out.grad, 1
         mask = None
         if self.case is not None and self.case.tokens and batch is not None:
-            lead = a.shape[:-1]
-            mask = _token_mask(self.case, batch, name, lead)
-            if mask is None and "attention_mask" in batch:
+            mask = token_mask(self.case.rows, batch, name, a.shape[:-1])
+            if listed_unmasked(self.case.rows, name) and "attention_mask" in batch:
                 self.unmatched.add(name)
         total = a[..., 0].numel()
         a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
@@ -102,6 +102,8 @@ class Observer:
         ...) after this update of every layer updated so far (``KFAC.factors()``'s keys)."""
         out = {}
         for name, calls in self._calls.items():
+            # a call whose output the loss does not reach (an unused pooler) has no rows
+            calls[:] = [call for call in calls if call[1].grad is not None]
             if not calls:
                 continue
             module = self.modules[name]

@@ -80,14 +80,18 @@ class CaptureReport(dict):
         self.notes = list(notes)
 
     def __str__(self):
-        lines = [f"{'module':<40} {'precond.':<8} {'mask':<22} {'rows':>6}  self-check / reason"]
+        width = max([len("module"), *(len(name or "<model>") for name in self)])
+        mask_width = max([len("mask"), *(len(row["mask"] or "") for row in self.values())])
+        lines = [f"{'module':<{width}} {'precond.':<8} {'mask':<{mask_width}} {'rows':>6}  "
+                 "self-check / reason"]
         for name, row in self.items():
             check = row["self_check"]
             verdict = ", ".join(f"{k} {check[k]}" for k in ("padding", "weight") if k in check)
             why = row["reason"] or row["unmasked"] or ""
             rows = "" if row["rows"] is None else str(row["rows"])
-            lines.append(f"{name or '<model>':<40} {'yes' if row['preconditioned'] else 'no':<8} "
-                         f"{row['mask'] or '':<22} {rows:>6}  "
-                         f"{'; '.join(x for x in (verdict, why) if x)}")
+            lines.append(f"{name or '<model>':<{width}} "
+                         f"{'yes' if row['preconditioned'] else 'no':<8} "
+                         f"{row['mask'] or '':<{mask_width}} {rows:>6}  "
+                         f"{'; '.join(x for x in (verdict, why) if x)}".rstrip())
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
