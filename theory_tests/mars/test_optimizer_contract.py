@@ -247,7 +247,9 @@ def test_sparse_gradient_raises():
 
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 def test_parameter_without_grad_is_skipped(mars_type):
-    """grad None: neither the parameter nor its state (step counter included) changes."""
+    """grad None: neither the parameter nor its state (step counter included) changes, but
+    for ``last_grad``: the g_{t-1} of a step the tensor sat out is 0 (M2,
+    ``test_missing_gradients.py``)."""
     live, idle, fresh = make_params([(3, 4), (2, 2), (3,)])
     opt = MARS([live, idle, fresh], mars_type=mars_type, weight_decay=0.1)
     feed(opt, [live, idle], [torch.ones(3, 4, dtype=F64), torch.ones(2, 2, dtype=F64)])
@@ -256,7 +258,8 @@ def test_parameter_without_grad_is_skipped(mars_type):
     feed(opt, [live, idle, fresh], [torch.ones(3, 4, dtype=F64), None, None])
     assert not torch.equal(live, live0) and torch.equal(idle, idle0) and torch.equal(fresh, fresh0)
     assert opt.state[idle].keys() == idle_state.keys()
-    assert all(torch.equal(opt.state[idle][k], v) for k, v in idle_state.items())
+    assert all(torch.equal(opt.state[idle][k], torch.zeros_like(v) if k == "last_grad" else v)
+               for k, v in idle_state.items())
     assert len(opt.state.get(fresh, {})) == 0
 
 

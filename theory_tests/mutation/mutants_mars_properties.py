@@ -24,7 +24,7 @@ MARS_PROPERTY_MUTANTS = {
         # the optimizer routes as if optimize_1d were always on
         Mutant(T_MARS, '            kind = F.route(p.shape, group["mars_type"], group["optimize_1d"])',
                '            kind = F.route(p.shape, group["mars_type"], True)'),
-        Mutant(T_F, '        beta1, beta2 = betas_1d', '        beta1, beta2 = betas'),
+        Mutant(T_F, "        beta1, beta2 = (_number(b) for b in betas_1d)", "        beta1, beta2 = (_number(b) for b in betas)"),
         Mutant(T_F, '                     beta1=beta1, beta2=beta2, eps=eps)',
                '                     beta1=beta1, beta2=beta2, eps=1e-8)'),
         Mutant(T_F, '        return Hyper(lr=_number(lr) * lr_1d_factor, weight_decay=weight_decay, gamma=0.0,',
@@ -238,7 +238,7 @@ MARS_PROPERTY_MUTANTS = {
                "            p.shape, group[\"mars_type\"], group[\"optimize_1d\"]) == F.FALLBACK)"),
         Mutant(T_EX, '    return any("previous_grad" in st for st in opt.state.values())',
                '    return all("previous_grad" in st for st in opt.state.values())'),
-        Mutant(T_EX, "        if group[\"is_approx\"]:\n            continue\n        for p in group[\"params\"]:\n            if p.grad is None",
-               "        for p in group[\"params\"]:\n            if p.grad is None"),
+        Mutant(T_EX, "        if group[\"is_approx\"]:\n            continue\n        for p in group[\"params\"]:\n            if not keeps_last_grad(p, group):",
+               "        for p in group[\"params\"]:\n            if not keeps_last_grad(p, group):"),
     ],
 }

@@ -3,11 +3,28 @@ failure is a ``ValueError`` that names the argument (torch.optim's convention), 
 ``"<name>: expected <what>, got <value>"``."""
 import math
 
+import torch
+
+
+def tensor_scalar(name, value):
+    """The number a tensor hyperparameter holds (lr, betas, momentum: where torch.optim.AdamW
+    takes a tensor, for a compiled step whose scheduler writes into it): one element, real
+    floating point, on the CPU -- the step reads it on the host, where a CUDA tensor would
+    synchronise."""
+    if value.numel() != 1 or not value.is_floating_point() or value.is_cuda \
+            or value.requires_grad:
+        raise ValueError(f"{name}: a tensor {name} must be a one-element floating-point CPU "
+                         f"tensor without grad, got {value!r}")
+    return value.item()
+
 
 def check_number(name, value, low=None, high=None, high_open=False, *, low_open=False,
-                 finite=False):
+                 finite=False, tensor=False):
     """A real number (not a bool) in [low, high] (either end open on request); ``finite``
-    also refuses +-inf.  NaN is always refused."""
+    also refuses +-inf.  NaN is always refused.  ``tensor``: a one-element CPU tensor is
+    accepted too, and its value checked (``tensor_scalar``)."""
+    if tensor and torch.is_tensor(value):
+        value = tensor_scalar(name, value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {value!r}")
     if finite and not math.isfinite(value):
@@ -35,10 +52,11 @@ def check_bool(name, value):
 
 
 def check_betas(name, betas):
+    """A pair in [0, 1), each a number or a one-element CPU tensor (as AdamW's betas)."""
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{name}: expected a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True)
+        check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True, tensor=True)
 
 
 def check_choice(name, value, choices):

@@ -4,7 +4,8 @@
 * ``mars_equations.py``, ``mars_m_equations.py`` -- the equations, twins of the oracle's
   ``reference/mars/mars_equations.py`` and ``mars_m_equations.py``;
 * ``mars_compiled.py``, ``mars_m_compiled.py`` -- the compiled step;
-* ``functional.py`` -- the list API (``torch_impl.functional.mars(params, grads, ...)``);
+* ``functional.py`` -- the list API (``torch_impl.mars.functional.mars(params, grads, ...)``,
+  also ``from torch_impl import functional``);
 * ``exact_mode.py``, ``state_dtype.py`` -- exact MARS's second gradient and low-precision state.
 """
 from .mars import MARS

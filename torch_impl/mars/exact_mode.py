@@ -68,11 +68,31 @@ def evaluate_at_previous_then_current(opt, closure):
     return loss
 
 
+def forget_missing_gradients(opt):
+    """Approx mode (M2): g_{t-1} = grad f(x_{t-1}, xi_{t-1}) is 0 for a tensor that had no
+    gradient at step t-1 -- it did not enter that loss -- so its ``last_grad`` becomes 0 on
+    that step (the tensor itself is skipped, as torch.optim skips it), and its next step
+    corrects from 0, the recursion's start, as exact mode's g_prev of such a tensor is 0
+    (``evaluate_at_previous_then_current``).  Otherwise the next correction would take the
+    gradient of the last step the tensor took part in, at another point and batch.
+    Traced by ``torch.compile(opt.step)`` (it is not part of ``_init_group``, which dynamo
+    runs once, eagerly); a tensor idle for many steps is zeroed at each of them."""
+    for group in opt.param_groups:
+        if not group["is_approx"]:
+            continue
+        for p in group["params"]:
+            if p.grad is None and p in opt.state and "last_grad" in opt.state[p]:
+                opt.state[p]["last_grad"].zero_()
+
+
 @torch.no_grad()
 def update_previous_grad(opt, keeps_last_grad, grad_scaler=None):
     """``previous_grad`` <- a copy of ``p.grad`` (negated under maximize) for every parameter
-    with a gradient that uses ``last_grad`` (``keeps_last_grad(p, group)``); parameters
-    without a gradient are skipped (the authors print a line for each).  No-op in approx mode.
+    with a gradient that uses ``last_grad`` (``keeps_last_grad(p, group)``).  A parameter
+    without a gradient did not enter the next batch's loss, so its g_prev is 0 (as in
+    ``forget_missing_gradients``): a ``previous_grad`` it holds is zeroed, and one is made
+    (zero) where it has a ``last_grad`` (the authors skip it and print a line, which leaves
+    the previous g_prev to ``update_last_grad``).  No-op in approx mode.
 
     ``grad_scaler`` (an enabled ``torch.amp.GradScaler``): the copies are divided by its
     current scale, a tensor (no host sync); if any of them is not finite, all of them become
@@ -82,7 +102,14 @@ def update_previous_grad(opt, keeps_last_grad, grad_scaler=None):
         if group["is_approx"]:
             continue
         for p in group["params"]:
-            if p.grad is None or not keeps_last_grad(p, group):
+            if not keeps_last_grad(p, group):
+                continue
+            if p.grad is None:  # outside the next batch's loss: g_prev = 0
+                st = opt.state.get(p, {})
+                if "previous_grad" in st:
+                    st["previous_grad"].zero_()
+                elif "last_grad" in st:
+                    st["previous_grad"] = torch.zeros_like(st["last_grad"])
                 continue
             st = opt.state[p]
             g = -p.grad if group["maximize"] else p.grad

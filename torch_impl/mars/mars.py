@@ -10,7 +10,7 @@ from . import mars_equations as F
 from ..common.sharding import ORTHOGONALIZE_ON
 from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
-    check_number as _check_number, check_torch_flags as _check_torch_flags
+    check_number as _check_number, check_torch_flags as _check_torch_flags, tensor_scalar
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
@@ -31,6 +31,8 @@ class MARS(Optimizer):
         &\quad c_t = g_t + a\,(g_t - g_{\text{prev}})
               && \text{(M1 exact: } g_{\text{prev}} = \nabla f(x_{t-1}, \xi_t);
                  \text{ M2 approx: } g_{\text{prev}} = g_{t-1};\ g_{\text{prev}} = 0 \text{ at } t = 1) \\
+        &\quad && \text{(a tensor outside a loss has gradient 0 there: } g_{\text{prev}} = 0
+                 \text{ after a step it had no gradient in (M2), or at } x_{t-1} \text{ (M1))} \\
         &\quad \tilde c_t = c_t / \max(1, \|c_t\|)
               && \text{(M3; norm per tensor, or global, or no clip)} \\
         &\quad m_t = \beta_1 m_{t-1} + (1 - \beta_1)\,\tilde c_t && \text{(M4)} \\
@@ -52,7 +54,10 @@ class MARS(Optimizer):
         params: iterable of parameters or parameter-group dicts.
         lr (float or Tensor): :math:`\eta` (a one-element CPU tensor, as torch.optim.AdamW
             takes). Default ``3e-3``.
-        betas (tuple): :math:`(\beta_1, \beta_2)`. Default ``(0.95, 0.99)``.
+        betas (tuple): :math:`(\beta_1, \beta_2)`, numbers or one-element CPU tensors (as
+            AdamW's; so are ``lr`` and ``betas_1d``: read on the host in an eager step, traced
+            as data by ``torch.compile(opt.step)``, so a schedule written into them with
+            ``fill_`` never recompiles). Default ``(0.95, 0.99)``.
         eps (float): :math:`\epsilon`; also Newton-Schulz's eps. Default ``1e-8``.
         weight_decay (float): :math:`\lambda`, decoupled. Default ``0``.
         amsgrad (bool): use :math:`\bar v_t` (M9) in the AdamW rule; a ValueError with
@@ -236,6 +241,7 @@ class MARS(Optimizer):
                 with torch.enable_grad():
                     loss = closure()
         self._check_gradients()
+        exact_mode.forget_missing_gradients(self)  # (M2): no gradient at t-1 is g_{t-1} = 0
         work = []
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = [], [], [], [], []
@@ -296,6 +302,8 @@ class MARS(Optimizer):
             for name in buffers:  # lazily: a buffer that a later option needs appears then
                 if name not in st:
                     st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                elif st[name].dtype != dtype:  # the group's state_dtype changed since (or a
+                    st[name] = st[name].to(dtype)  # state set by hand): it holds from now on
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
             params.append(p)
@@ -396,12 +404,9 @@ def _true_shape_scale(p, group):
 
 
 def _lr_value(lr):
-    """The lr as a number: a float, or a one-element (CPU) tensor as torch.optim.AdamW takes;
-    it is read on the host at every step, so a CUDA tensor would synchronise and is refused."""
-    if torch.is_tensor(lr):
-        if lr.numel() != 1 or lr.is_cuda:
-            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
-        lr = lr.item()
+    """The lr as a number: a float, or a one-element CPU tensor as torch.optim.AdamW takes
+    (``validation.tensor_scalar``: it is read on the host, so a CUDA tensor is refused)."""
+    lr = tensor_scalar("lr", lr) if torch.is_tensor(lr) else lr
     _check_number("lr", lr, low=0.0)
     return lr
 

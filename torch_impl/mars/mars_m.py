@@ -23,7 +23,8 @@ class MARSM(Optimizer):
         \begin{aligned}
         &\textbf{matrices (rule "mars_m"), for } t = 1, 2, \dots: \\
         &\quad C_t = g_t + \tfrac{\gamma\beta}{1-\beta}\,(g_t - g_{\text{prev}})
-            && \text{(M2; exact: } g_{\text{prev}} = \nabla f(x_{t-1}, \xi_t);\ 0 \text{ at } t=1) \\
+            && \text{(M2; exact: } g_{\text{prev}} = \nabla f(x_{t-1}, \xi_t);\ 0 \text{ at } t=1
+               \text{ and where the tensor had no gradient, as in MARS)} \\
         &\quad \tilde C_t = C_t / \max(1, \|C_t\|_F) && \text{(M3; } \texttt{clip\_c=False}: \tilde C_t = C_t) \\
         &\quad M_t = \beta M_{t-1} + (1-\beta)\,\tilde C_t && \text{(M15)} \\
         &\quad O_t = \mathrm{NS}_5(M_t) && \text{(M16; eps } 10^{-7}\text{, in ns\_dtype)} \\
@@ -42,7 +43,10 @@ class MARSM(Optimizer):
             ``"adamw"`` group, as the authors do.
         lr (float or tensor): :math:`\eta`, both rules. Default ``1e-3``.
         weight_decay (float): :math:`\lambda`, decoupled, both rules. Default ``0.1``.
-        momentum (float): :math:`\beta`. Default ``0.95``.
+        momentum (float or tensor): :math:`\beta`. Default ``0.95``.  ``lr``, ``momentum``
+            and ``adamw_betas`` may be one-element CPU tensors, as AdamW's lr and betas:
+            read on the host in an eager step, traced as data by ``torch.compile(opt.step)``
+            (a schedule written into them with ``fill_`` never recompiles).
         ns_steps (int): Newton-Schulz steps. Default ``5``.
         gamma (float): :math:`\gamma`. Default ``0.025``.
         clip_c (bool): clip :math:`C_t` to norm 1.  Default ``True``: the authors' behaviour
@@ -149,6 +153,7 @@ class MARSM(Optimizer):
                 with torch.enable_grad():
                     loss = closure()
         self._check_gradients()  # every group's, before the first group changes
+        exact_mode.forget_missing_gradients(self)  # (M2): no gradient at t-1 is g_{t-1} = 0
         for group in self.param_groups:
             params, grads, bufs, lasts, m1, m2, steps, kinds = [], [], [], [], [], [], [], []
             self._init_group(group, params, grads, bufs, lasts, m1, m2, steps, kinds)
@@ -231,15 +236,10 @@ def _tensor_steps(state):
 
 
 def _validate_group(g):
-    lr = g["lr"]
-    if torch.is_tensor(lr):
-        if lr.numel() != 1 or lr.is_cuda:  # read on the host each step: CUDA would sync
-            raise ValueError("lr: a tensor lr must have one element and live on the CPU")
-        lr = lr.item()
-    check_number("lr", lr, low=0.0)
+    check_number("lr", g["lr"], low=0.0, tensor=True)  # tensors as AdamW takes them
     check_number("weight_decay", g["weight_decay"], low=0.0)
-    check_number("momentum", g["momentum"], low=0.0, high=1.0, high_open=True)
-    if g["momentum"] == 0.0:  # a = gamma beta/(1 - beta) is fine, but M18 divides by beta
+    check_number("momentum", g["momentum"], low=0.0, high=1.0, high_open=True, tensor=True)
+    if float(g["momentum"]) == 0.0:  # a = gamma beta/(1 - beta) is fine; M18 divides by beta
         if g["efficient"]:
             raise ValueError("momentum: the efficient recursion (M18) divides by momentum > 0")
     check_number("gamma", g["gamma"], low=0.0, high=1.0)

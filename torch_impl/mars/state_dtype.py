@@ -25,10 +25,12 @@ def _keeps_state_dtype(key, value):
 
 def shield_state_dtype(optimizer, state_dict):
     """Load pre-hook (the last one): the state of saved groups with a ``state_dtype`` shielded
-    from torch's cast; the dict the caller's hooks returned, ids as they left them."""
+    from torch's cast; the dict the caller's hooks returned, ids as they left them.  A saved
+    group without the key (the authors' format, or ours from before the option) gets the
+    constructor's ``state_dtype``, as ``__setstate__`` back-fills it into the loaded group."""
     state = dict(state_dict["state"])
     for group in state_dict["param_groups"]:
-        dtype = group.get("state_dtype")
+        dtype = group.get("state_dtype", optimizer.defaults.get("state_dtype"))
         for i in group["params"]:
             if dtype is None or i not in state_dict["state"]:
                 continue

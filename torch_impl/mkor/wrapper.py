@@ -24,6 +24,15 @@ same model detaches the older one (with a warning), :meth:`remove` (or leaving a
 ``with`` block) detaches them by hand, and hooks of a preconditioner that is garbage
 collected go with it, so pasting a setup twice never leaves two hook sets.
 
+**Step hooks.** Two optimizers step in one ``step()``: the preconditioner, then (inside it)
+its backbone. A global hook (``torch.optim.optimizer.register_optimizer_step_pre_hook`` /
+``_post_hook``, "common to all optimizers") therefore fires for each, pre hooks in the order
+preconditioner, backbone and post hooks backbone, preconditioner -- as for torch's own
+wrapper, ``ZeroRedundancyOptimizer``, which steps its local optimizer inside its step. A
+hook tells them apart by its ``optimizer`` argument; a hook registered on the
+preconditioner (``register_step_pre_hook``) fires once per step. A step that a GradScaler
+overflow skips runs the preconditioner's hooks only (the backbone does not step).
+
 **Copies.** A preconditioner is bound to its model's modules by hooks, so it cannot be
 copied or pickled: ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` of it (or of
 anything holding it) raise ``TypeError`` at once. Its checkpoint is :meth:`state_dict`: save
