@@ -9,6 +9,8 @@ the oracle and in the port where each exists.
 from .mutant import Mutant
 from .mutants_mars import MARS_MUTANTS
 from .mutants_mars_properties import MARS_PROPERTY_MUTANTS
+from .mutants_issue30 import ISSUE30_MUTANTS
+from .mutants_newcomer import NEWCOMER_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -343,7 +345,7 @@ MUTANTS = {
     ],
     "PORT-LAMB-SURFACE": [
         Mutant(T_LAMB, "    return torch.view_as_real(t) if torch.is_complex(t) else t", "    return t"),
-        Mutant(T_LAMB, "                vs.append(_real(state[\"exp_avg_sq\"]))", "                vs.append(state[\"exp_avg_sq\"])"),
+        Mutant(T_LAMB, "            vs.append(_real(state[\"exp_avg_sq\"]))", "            vs.append(state[\"exp_avg_sq\"])"),
         Mutant(T_LAMB, "            g = -g", "            g = g"),
         Mutant(T_LAMB, "            gs = torch._foreach_neg(gs)", "            gs = gs"),
         Mutant(T_LAMB, "            return group[\"foreach\"]", "            return False"),
@@ -521,7 +523,7 @@ MUTANTS = {
 
 # The MARS family's mutants live in their own file (one list per optimizer family).
 # A row both families prove (PORT-DCP) takes the mutants of both lists.
-for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS):
+for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

@@ -11,6 +11,10 @@ The first command trains ``--steps`` steps and saves a distributed checkpoint
 second half again, ending where the first run ended. Each rank trains on its own slice of
 a synthetic global batch of token sequences that count up by one (learnable next tokens).
 Rank 0 prints the loss every few steps and a final line.
+
+Needs transformers (the model is its ``LlamaForCausalLM``), which the library does not bring:
+``pip install "transformers>=4.46"``, or the ``examples`` extra (``pip install -e ".[examples]"``
+in the clone).
 """
 import argparse
 import os
@@ -22,15 +26,27 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from torch_impl import KFAC, MARS, MARSM, MKOR
 
 OPTIMIZERS = ("mkor", "kfac", "mars", "mars_m", "adamw")  # adamw: the backbone alone
+NEEDS = ('needs transformers, which the library does not bring: pip install "transformers>=4.46" '
+         '(or the examples extra: pip install -e ".[examples]" in the clone)')
+
+
+def llama():
+    """transformers' ``(LlamaConfig, LlamaForCausalLM)``, imported when the example runs (so
+    ``--help`` works without it), with the install command when it is missing."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as error:
+        raise ImportError(f"torch_impl.examples.fsdp2_train {NEEDS} ({error})") from error
+    return LlamaConfig, LlamaForCausalLM
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=f"This example {NEEDS}.")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="mkor")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="global batch, split over ranks")
@@ -78,6 +94,7 @@ def main(argv=None):
     args = parse(argv)
     if args.resume and not args.checkpoint:
         raise SystemExit("--resume needs --checkpoint")
+    LlamaConfig, LlamaForCausalLM = llama()  # before any process group exists
     cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()
     if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK
