@@ -21,9 +21,11 @@ torch.optim conventions (as ``torch.optim.AdamW``):
 * ``maximize=True`` ascends: the step uses -g.
 * ``foreach``: True runs one ``torch._foreach_*`` kernel per operation over a group's
   tensors (per device and dtype), with the same operations in the same order as the
-  per-tensor loop (bit-identical on the CPU, where the foreach kernels run per tensor);
-  False the loop; None (default) chooses like torch: foreach when every parameter is a
-  CUDA tensor, the loop otherwise (the CPU gains nothing from foreach).
+  per-tensor loop: bit-identical to it on the CPU in float64, float32, bf16 and fp16
+  (``theory_tests/mars/test_low_precision_paths.py``; a number multiplies through
+  ``tensor_ops.scalar_operand``, since torch's CPU ``_foreach_mul_`` would round it to
+  bf16 / fp16 first); False the loop; None (default) chooses like torch: foreach when every
+  parameter is a CUDA tensor, the loop otherwise (the CPU gains nothing from foreach).
 * ``fused``, ``capturable``, ``differentiable`` are accepted and stored like torch's, but
   only off (``fused=None``/``False``, ``capturable=False``, ``differentiable=False``): this
   LAMB has no fused kernel, reads its step count on the host and is not differentiable, so
@@ -35,6 +37,8 @@ gradient is refused (``RuntimeError``) before any parameter or state changes.
 """
 import torch
 
+from ..common.scalars import step_scalar
+from ..common.tensor_ops import scalar_operand
 from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
 
 __all__ = ["LAMB"]
@@ -47,7 +51,7 @@ _OPTION_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
 
 def _check_group(group):
     """ValueError naming the first invalid hyperparameter of ``group`` (a dict)."""
-    check_number("lr", group["lr"], low=0.0)
+    check_number("lr", group["lr"], low=0.0, tensor=True)  # lr, betas: tensors as in AdamW
     check_betas("betas", group["betas"])
     check_number("eps", group["eps"], low=0.0)
     check_number("weight_decay", group["weight_decay"], low=0.0)
@@ -96,9 +100,9 @@ def _lamb_foreach(params, grads, ms, vs, steps, group):
         ms_, vs_ = [ms[i] for i in idx], [vs[i] for i in idx]
         if group["maximize"]:
             gs = torch._foreach_neg(gs)
-        torch._foreach_mul_(ms_, beta1)
+        torch._foreach_mul_(ms_, scalar_operand(beta1))  # as m.mul_(beta1) rounds
         torch._foreach_add_(ms_, gs, alpha=1 - beta1)
-        torch._foreach_mul_(vs_, beta2)
+        torch._foreach_mul_(vs_, scalar_operand(beta2))
         torch._foreach_addcmul_(vs_, gs, gs, value=1 - beta2)
         m_hat = torch._foreach_div(ms_, [1 - beta1 ** steps[i] for i in idx])
         denom = torch._foreach_div(vs_, [1 - beta2 ** steps[i] for i in idx])
@@ -117,7 +121,10 @@ class LAMB(torch.optim.Optimizer):
 
     Args:
         params: iterable of parameters or param-group dicts.
-        lr: learning rate eta (>= 0). betas: (beta1, beta2), each in [0, 1).
+        lr: learning rate eta (>= 0). betas: (beta1, beta2), each in [0, 1). Each may be a
+            one-element CPU tensor, as ``torch.optim.AdamW`` takes them: read on the host in
+            an eager step, traced as data by ``torch.compile(opt.step)``, so a scheduler that
+            writes into them (``fill_``) never recompiles the step.
         eps: added to sqrt(v_hat) (>= 0). weight_decay: lambda (>= 0), inside the
             trust-ratio update as in the LAMB paper.
         maximize: ascend the objective (default False).
@@ -155,6 +162,25 @@ class LAMB(torch.optim.Optimizer):
             return group["foreach"]
         return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_cuda for p in params)
 
+    def _init_group(self, group, params, grads, ms, vs, counters):
+        """Append the group's live tensors (real views) and step counters to the given lists,
+        creating state lazily: torch.optim's protocol, which ``torch.compile`` runs eagerly
+        at trace time (so the first step's state creation is not a graph of its own)."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if len(state) == 0:
+                # The step count lives on the CPU (as in torch.optim): no device sync.
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(_real(p))
+            grads.append(_real(p.grad))
+            ms.append(_real(state["exp_avg"]))
+            vs.append(_real(state["exp_avg_sq"]))
+            counters.append(state["step"])
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -165,25 +191,22 @@ class LAMB(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("LAMB does not support sparse gradients")
+        compiling = torch.compiler.is_compiling()
         for group in self.param_groups:
-            params, grads, ms, vs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if len(state) == 0:
-                    # The step count lives on the CPU (as in torch.optim): no device sync.
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                params.append(_real(p))
-                grads.append(_real(p.grad))
-                ms.append(_real(state["exp_avg"]))
-                vs.append(_real(state["exp_avg_sq"]))
-                steps.append(int(state["step"].item()))
+            params, grads, ms, vs, counters = [], [], [], [], []
+            self._init_group(group, params, grads, ms, vs, counters)
+            for k in counters:
+                k += 1
+            # a host read of a CPU counter; traced by torch.compile, the counter itself
+            steps = counters if compiling else [int(k.item()) for k in counters]
             if not params:
                 continue
-            run = _lamb_foreach if self._use_foreach(group, group["params"]) else _lamb_loop
-            run(params, grads, ms, vs, steps, group)
+            # torch.compile(opt.step): Inductor fuses the traced loop itself (as MARS)
+            use_foreach = not compiling and self._use_foreach(group, group["params"])
+            run = _lamb_foreach if use_foreach else _lamb_loop
+            # lr and betas may be tensors (as AdamW's): numbers here, or traced tensors, so
+            # that a scheduler writing into them is new data, never a recompilation
+            run(params, grads, ms, vs, steps,
+                dict(group, lr=step_scalar(group["lr"]),
+                     betas=tuple(step_scalar(b) for b in group["betas"])))
         return loss

@@ -27,6 +27,7 @@ from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
 from ..common.sharding import ORTHOGONALIZE_ON, orthogonalize_on_owners, owner_eligible
 from ..common.tensor_ops import FOREACH, SINGLE
 from ..common.validation import check_choice
+from .functional_checks import check_lists
 
 __all__ = ["mars", "mars_m", "corrected_norms", "default_foreach"]
 
@@ -39,6 +40,7 @@ def default_foreach(params):
 def corrected_norms(grads, last_grads, kinds, gamma, beta1, *, maximize=False):
     """||c_t||_F of every MARS-path tensor without changing anything: the first pass of the
     global clip, whose one norm spans every group with ``clip_scope="global"``."""
+    beta1 = F._number(beta1)  # a tensor beta1 (as AdamW takes): a number, or traced
     return [torch.linalg.vector_norm(
                 F.corrected_gradient_(last.clone(), -g if maximize else g, gamma, beta1))
             for g, last, kind in zip(grads, last_grads, kinds) if kind != F.FALLBACK]
@@ -52,8 +54,11 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
          write_last_grad=True, global_clip_norm=None, orthogonalize_on="owner"):
     r"""One MARS step (M1-M14) over parallel lists; see ``torch_impl.MARS`` for the algorithm.
 
-    ``kinds[i]`` is ``mars_equations.route(...)`` of tensor i; ``exp_avg_sqs`` /
-    ``max_exp_avg_sqs`` / ``last_grads`` hold ``None`` where a route keeps no such buffer.
+    ``kinds[i]`` is ``mars_equations.route(...)`` of tensor i (``"adamw"``, ``"lion"``,
+    ``"shampoo"`` or ``"fallback"``); ``exp_avg_sqs`` / ``max_exp_avg_sqs`` / ``last_grads``
+    hold ``None`` where a route keeps no such buffer.  Lists of different lengths, another
+    kind, or a missing or misshapen buffer raise ``ValueError`` before anything changes
+    (``functional_checks``).
     ``state_steps`` are CPU tensors, incremented here.  ``write_last_grad``: approx mode keeps
     the raw g_t for the next step; exact mode leaves c~_t (the caller refills ``last_grad``).
     ``global_clip_norm``: the joint norm when it spans more than these tensors (else computed
@@ -62,6 +67,16 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     matrix is orthogonalised (module docstring); a collective for sharded matrices.
     """
     check_choice("orthogonalize_on", orthogonalize_on, ORTHOGONALIZE_ON)
+    moments = ("grads", "exp_avgs", "exp_avg_sqs")
+    check_lists("mars", params, dict(grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                                     max_exp_avg_sqs=max_exp_avg_sqs, last_grads=last_grads,
+                                     state_steps=state_steps, shampoo_scales=shampoo_scales),
+                kinds, {F.ADAMW: moments + ("last_grads",) + (("max_exp_avg_sqs",) if amsgrad
+                                                              else ()),
+                        F.LION: ("grads", "exp_avgs", "last_grads"),
+                        F.SHAMPOO: ("grads", "exp_avgs", "last_grads"), F.FALLBACK: moments},
+                matrices=(F.SHAMPOO,), optional=("shampoo_scales",) + (
+                    () if amsgrad else ("max_exp_avg_sqs",)))
     if not params:
         return
     hypers = {kind: F.resolve_hyperparameters(
@@ -187,13 +202,21 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
     r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
 
     ``kinds[i]``: "mars_m", "mars_m_efficient" or "adamw".  Buffers that a kind does not keep
-    are ``None``.  ``shape_scales[i]`` overrides 0.2 sqrt(max(A, B)) (``None``: p's shape).
+    are ``None``; the lists are checked as ``mars``'s are, before anything changes.  ``shape_scales[i]`` overrides 0.2 sqrt(max(A, B)) (``None``: p's shape).
     ``state_steps`` (CPU tensors) are incremented here.  ``compiled``: one
     ``torch.compile``d call per tensor (``mars_m_compiled``), the same equations.
     ``orthogonalize_on``: ``"owner"`` or ``"every_rank"``, where a sharded (DTensor) matrix's
     Newton-Schulz runs (module docstring); a collective for sharded matrices.
     """
     check_choice("orthogonalize_on", orthogonalize_on, ORTHOGONALIZE_ON)
+    check_lists("mars_m", params, dict(grads=grads, momentum_buffers=momentum_buffers,
+                                       last_grads=last_grads, exp_avgs=exp_avgs,
+                                       exp_avg_sqs=exp_avg_sqs, state_steps=state_steps,
+                                       shape_scales=shape_scales),
+                kinds, {MATRIX: ("grads", "momentum_buffers", "last_grads"),
+                        EFFICIENT: ("grads", "momentum_buffers"),
+                        BACKUP: ("grads", "exp_avgs", "exp_avg_sqs")},
+                matrices=(MATRIX, EFFICIENT), optional=("shape_scales",))
     if not params:
         return
     hypers = {kind: resolve_hyperparameters(kind, lr=lr, weight_decay=weight_decay,

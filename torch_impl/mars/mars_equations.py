@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..common.matrix_functions import newton_schulz, orthogonalize_svd
+from ..common.scalars import step_scalar
 from ..common.tensor_ops import SINGLE
 
 ADAMW, LION, SHAMPOO, FALLBACK = "adamw", "lion", "shampoo", "fallback"
@@ -89,12 +90,12 @@ def resolve_hyperparameters(kind, *, lr, betas, eps, weight_decay, gamma, lr_1d_
     ``betas_1d``, no correction, and ``weight_decay_1d`` or the group's ``weight_decay``
     (``weight_decay_1d_source``)."""
     if kind == FALLBACK:
-        beta1, beta2 = betas_1d
+        beta1, beta2 = (_number(b) for b in betas_1d)
         if weight_decay_1d_source == "constructor":
             weight_decay = weight_decay_1d
         return Hyper(lr=_number(lr) * lr_1d_factor, weight_decay=weight_decay, gamma=0.0,
                      beta1=beta1, beta2=beta2, eps=eps)
-    beta1, beta2 = betas
+    beta1, beta2 = (_number(b) for b in betas)
     return Hyper(lr=_number(lr), weight_decay=weight_decay, gamma=gamma, beta1=beta1,
                  beta2=beta2, eps=eps)
 
@@ -118,11 +119,10 @@ def _step_count(k):
     return k if torch.compiler.is_compiling() else k.item()
 
 
-def _number(lr):
-    """A tensor lr (as torch.optim accepts) read as a number: it lives on the CPU.  While
-    ``torch.compile`` traces the step it stays a tensor, so that a scheduler writing into it
-    does not recompile (torch's advice for compiled optimizers)."""
-    return lr.item() if torch.is_tensor(lr) and not torch.compiler.is_compiling() else lr
+def _number(x):
+    """A tensor hyperparameter (lr, betas; as torch.optim.AdamW accepts them) read as a
+    number, or kept a tensor while ``torch.compile`` traces the step (``common.scalars``)."""
+    return step_scalar(x)
 
 
 # ------------------------------------------------------------------ equations (2.1-2.4)
@@ -140,7 +140,9 @@ def shape_scale(shape):
 def corrected_gradient_(g_prev, g, gamma, beta1, ops=SINGLE):
     r"""(M1)/(M2) in place: c_t = g_t + a (g_t - g_prev) = lerp(g_prev, g_t, 1 + a) with
     a = gamma beta1 / (1 - beta1), written into the buffer that held g_prev: one pass, no
-    temporary."""
+    temporary.  g_prev is 0 at t = 1 and wherever the tensor had no gradient in the loss it
+    is taken from (it did not enter that loss): after a step it sat out in approx mode
+    (``exact_mode.forget_missing_gradients``), at x_{t-1} in exact mode."""
     return ops.lerp_(g_prev, g, 1.0 + correction_coefficient(gamma, beta1))
 
 

@@ -22,8 +22,9 @@ def resolve_hyperparameters(kind, *, lr, weight_decay, momentum, gamma, adamw_be
     """The one MARS-M resolver: the optimizer's keywords -> the route's ``Hyper``.
     Matrices: beta1 = ``momentum`` (a = gamma beta/(1 - beta) in M15); the backup:
     ``adamw_betas``, ``adamw_eps``.  Both decay by ``weight_decay`` (the authors' ``wd``)."""
+    momentum = F._number(momentum)  # tensors where AdamW takes them (common.scalars)
     if kind == BACKUP:
-        beta1, beta2 = adamw_betas
+        beta1, beta2 = (F._number(b) for b in adamw_betas)
         return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=0.0, beta1=beta1,
                        beta2=beta2, eps=adamw_eps)
     return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=momentum,
