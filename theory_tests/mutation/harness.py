@@ -36,7 +36,7 @@ from theory_tests.support.claims_table import TARGET_RE, claim_rows
 ROOT = Path(__file__).resolve().parents[2]
 
 COPIED = ("reference", "torch_impl", "theory_tests", "figures", "paper_notes", "pyproject.toml",
-          "README.md", "LICENSE", ".ci")
+          "README.md", "LICENSE", ".ci", ".gitignore")
 
 
 def row_tests(row_id):

@@ -12,6 +12,7 @@ from .mutants_mars_properties import MARS_PROPERTY_MUTANTS
 from .mutants_issue30 import ISSUE30_MUTANTS
 from .mutants_newcomer import NEWCOMER_MUTANTS
 from .mutants_low_precision import LOW_PRECISION_MUTANTS
+from .mutants_figures_repro import FIGURES_REPRO_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -525,7 +526,7 @@ MUTANTS = {
 # The MARS family's mutants live in their own file (one list per optimizer family).
 # A row both families prove (PORT-DCP) takes the mutants of both lists.
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS,
-                LOW_PRECISION_MUTANTS):
+                LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

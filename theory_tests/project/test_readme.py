@@ -17,6 +17,8 @@ import sys
 import pytest
 from packaging.requirements import Requirement
 
+from theory_tests.support.block_runner import BlockRunner
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the parser setuptools brings
@@ -69,6 +71,13 @@ def installed(tmp_path_factory):
     return env
 
 
+@pytest.fixture(scope="session")
+def runner(installed, tmp_path_factory):
+    blocks = BlockRunner(installed, tmp_path_factory.mktemp("runner"))
+    yield blocks
+    blocks.close()
+
+
 def test_the_readme_and_a_page_have_examples():
     assert any(page == "README.md" for page, _, _ in EXAMPLES), "the README has no Python example"
     assert {page for page, _, _ in EXAMPLES} > {"README.md"}
@@ -76,16 +85,29 @@ def test_the_readme_and_a_page_have_examples():
 
 @pytest.mark.parametrize("page, index, code", EXAMPLES,
                          ids=[f"{page}#{i + 1}" for page, i, _ in EXAMPLES])
-def test_python_examples_run(page, index, code, installed, tmp_path):
+def test_python_examples_run(page, index, code, runner, tmp_path):
     """One block, pasted into a fresh ``python`` started in an empty folder (or the clone's
-    root, when the block says so): its own imports, nothing from the blocks before it."""
+    root, when the block says so): its own imports, nothing from the blocks before it
+    (``block_runner``: a child forked from an interpreter started so, which had only imported
+    torch and torch_impl)."""
     at_root = FROM_ROOT in code
-    proc = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT if at_root else tmp_path,
-                          env=installed, capture_output=True, text=True, timeout=600)
+    rc, stderr = runner.run(code, ROOT if at_root else tmp_path)
     where = "the clone's root" if at_root else "a folder outside the checkout"
-    assert proc.returncode == 0, (
-        f"{page}, Python block {index + 1}, run alone from {where}, fails:\n"
-        f"{proc.stderr[-3000:]}")
+    assert rc == 0, (
+        f"{page}, Python block {index + 1}, run alone from {where}, fails:\n{stderr[-3000:]}")
+
+
+def test_a_block_run_alone_sees_nothing_of_the_runner_or_the_blocks_before(runner, tmp_path):
+    """The runner's own imports bind no name in a block, a block's names do not reach the next
+    one, and the oracle is not importable from outside the checkout."""
+    assert runner.run("x = 1\nimport torch", tmp_path)[0] == 0
+    rc, stderr = runner.run("print(x)", tmp_path)
+    assert rc == 1 and "NameError: name 'x'" in stderr
+    rc, stderr = runner.run("torch.zeros(1)", tmp_path)
+    assert rc == 1 and "NameError: name 'torch'" in stderr
+    rc, stderr = runner.run("import reference", tmp_path)
+    assert rc == 1 and "ModuleNotFoundError" in stderr
+    assert runner.run("import reference", ROOT)[0] == 0
 
 
 @pytest.mark.parametrize("page, index, code", EXAMPLES,
