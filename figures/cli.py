@@ -9,7 +9,6 @@ import contextlib
 import importlib
 import io
 import json
-import math
 import multiprocessing
 import pathlib
 import shlex
@@ -19,6 +18,7 @@ import time
 
 from . import common as C
 from . import repro
+from .summary import write_summary, write_tuned
 
 # The --help text: complete sentences, paragraphs kept as written (a test checks that none
 # is cut off).
@@ -240,7 +240,7 @@ def main(argv=None):
                      f"{', '.join(blocked)}")
         return
     lrs = tuned_out if ctx.swept and tuned_out.exists() else tuned_path
-    write_summary(ctx.out, C.load_tuned(lrs), sorted(ctx.swept) if tune else [],
+    write_summary(ctx.out, FIGURES, C.load_tuned(lrs), sorted(ctx.swept) if tune else [],
                   fallback, (lrs.name, other.name))
     print(f"python -m figures: done in {time.perf_counter() - start:.0f} s; "
           f"summary in {ctx.out / 'summary.md'}")
@@ -390,100 +390,6 @@ def parallel_sweeps(args, mode, names):
                   f"{' (on the edge)' if entry['edge'] else ''} ({seconds:.0f} s)", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     return {name: dict(sorted(entries.items())) for name, entries in swept.items()}
-
-
-def write_tuned(swept, records, tune_labels, committed, path):
-    """Merge this run's sweeps ({task: {label: sweep}}, with ``records[task]`` saying how)
-    into the tuned JSON: a task swept whole replaces its entry; a partial re-tune
-    (``--tune-curves``) replaces those curves and is logged in the task's ``retuned`` list.
-    Other tasks keep their entries."""
-    fresh = json.loads(json.dumps(committed))  # a deep copy: ``committed`` stays as read
-    tasks, tasks_meta = fresh.get("tasks", {}), fresh.get("tasks_meta", {})
-    for task, sweeps in swept.items():
-        record = records[task]
-        if tune_labels is None or task not in tasks:
-            tasks[task], tasks_meta[task] = sweeps, record
-        else:
-            tasks[task].update(sweeps)
-            tasks_meta[task].setdefault("retuned", []).append(record)
-    modes = sorted({m["mode"] for m in tasks_meta.values()})
-    how = (f"lr sweeps at the {'/'.join(modes)} budget(s) (commands and dates per task in "
-           f"tasks_meta), grid = centre x 10^(k/2), k=-2..2 (k=-3..3 and 2 tuning seeds with "
-           f"--full), extended past an edge up to 5 times, scored by the final validation "
-           f"metric averaged over the tuning seeds (100, 101, ...: disjoint from the reported "
-           f"seeds)")
-    meta = dict(how=how, mode="/".join(modes), date=C.stamp(), versions=C.versions())
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # the output folder, before any figure
-    path.write_text(json.dumps(dict(meta=meta, tasks_meta=tasks_meta, tasks=tasks), indent=1,
-                               default=str) + "\n")
-    print(f"tuned learning rates written to {path}")
-
-
-def _tuning_modes(tuned):
-    """Which tasks were swept at which budget."""
-    by_mode = {}
-    for task, meta in sorted(tuned.get("tasks_meta", {}).items()):
-        by_mode.setdefault(meta["mode"], []).append(f"`{task}`")
-    return " ".join(f"Swept at the {mode} budget: {', '.join(tasks)}."
-                    for mode, tasks in sorted(by_mode.items()))
-
-
-def _lr_paragraph(tuned, swept_now, fallback, names):
-    """The summary's paragraph on where the learning rates came from. ``swept_now``: the
-    tasks this run swept; the folder may hold other figures from earlier runs (``--only``),
-    whose lrs the tuned JSONs account for."""
-    head = ["**Learning rates.**"]
-    if swept_now:
-        head.append(f"Swept by this run: {', '.join(f'`{t}`' for t in sorted(swept_now))} "
-                    f"(written to `{names[0]}`).")
-    files = [(name, record) for name, record in zip(names, (tuned, fallback)) if record]
-    if not files:
-        return " ".join(head) if swept_now else (
-            "**Learning rates.** UNTUNED: no tuned-lr JSON was found; every optimizer ran at "
-            "its grid centre.")
-    text = head + ["Each budget keeps its own sweeps (quick mode reads "
-                   "`figures/out/quick/tuned_lr.json`, `--full` reads `figures/out/full/tuned_lr.json`); a "
-                   "curve missing from one takes the other's value, and the lr source column "
-                   "says which budget each curve's lr was tuned at."]
-    for i, (name, record) in enumerate(files):
-        text.append(f"{'Read' if i == 0 else 'Fallback'}: `{name}` ({record['meta']['date']}). "
-                    + _tuning_modes(record))
-    text.append(f"How: {files[0][1]['meta']['how']}.")
-    return " ".join(text)
-
-
-def write_summary(out, tuned, swept_now, fallback=None,
-                  names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name), lr_text=None):
-    """``summary.md`` from every ``NAME.json`` in ``out`` (so ``--only`` keeps the others);
-    ``lr_text`` replaces the paragraph on learning rates (a redraw keeps the old one)."""
-    out = pathlib.Path(out)
-    metas = [json.loads((out / f"{n}.json").read_text()) for n in FIGURES
-             if (out / f"{n}.json").exists()]
-    lines = ["# Figure summary", "",
-             "Regenerated by `python -m figures`; per task, the final validation metric of each "
-             "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
-             "steps it needs to reach the reference's final value (the papers' headline "
-             "metric; '—' = not reached within the budget).", "",
-             lr_text or _lr_paragraph(tuned, swept_now, fallback, names), ""]
-    for m in metas:
-        lines += [f"## {m.get('task_title', m['figure'])}", "",
-                  f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]
-        if m.get("summary"):
-            ref = m["summary"][0]["reference"]
-            lines += [f"| optimizer | lr | lr source | final {m.get('metric', 'val loss')} "
-                      f"| seeds | steps to reach {ref}'s final (fraction of {ref}'s) |",
-                      "|---|---|---|---|---|---|"]
-            for r in m["summary"]:
-                frac = "—" if r["fraction"] is None else f"{r['fraction']:.2f}"
-                final = (f"{r['final']:.4g} ± {r['sd']:.2g}" if math.isfinite(r["final"])
-                         else f"diverged in {r['diverged']} of {r['seeds']} seeds"
-                         if "diverged" in r else "diverged (at least one seed)")
-                lines.append(f"| {r['optimizer']} | {C.fmt_lr(r['lr'])} | {r['lr_source']} | "
-                             f"{final} | {r['seeds']} | {frac} |")
-            lines.append("")
-        lines += [f"- {n}" for n in m.get("notes", [])] + [""]
-    (out / "summary.md").write_text("\n".join(lines))
 
 
 # -- the --jobs workers (spawned: they find build() by its module, figures.cli) --

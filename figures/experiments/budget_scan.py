@@ -333,7 +333,8 @@ _VERDICT_MARK = " (paired 95 % t intervals, nats: "  # in every verdict line, in
 
 def redraw(path):
     """Recompute effects, verdict notes, PNG and summary.md from the saved JSON at ``path``."""
-    from ..cli import write_summary
+    from ..cli import FIGURES
+    from ..summary import write_summary
 
     path = pathlib.Path(path)
     meta = json.loads(path.read_text())
@@ -357,7 +358,7 @@ def redraw(path):
     summary = path.parent / "summary.md"
     old = summary.read_text().splitlines() if summary.exists() else []
     lr_text = next((line for line in old if line.startswith("**Learning rates.**")), None)
-    write_summary(path.parent, None, [], lr_text=lr_text)  # no lr was swept: keep its text
+    write_summary(path.parent, FIGURES, None, [], lr_text=lr_text)  # no lr was swept: keep its text
     return meta
 
 

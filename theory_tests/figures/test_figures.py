@@ -9,7 +9,7 @@ import socket
 import numpy as np
 import pytest
 
-from figures import cli
+from figures import cli, summary
 from figures import common as C
 from figures import data
 
@@ -132,7 +132,7 @@ def test_parallel_sweeps_equal_the_serial_ones(tmp_path):
 
 
 def test_summary_names_the_budget_each_task_was_tuned_at():
-    text = cli._tuning_modes({"tasks_meta": {"a": {"mode": "full"}, "b": {"mode": "quick"},
+    text = summary._tuning_modes({"tasks_meta": {"a": {"mode": "full"}, "b": {"mode": "quick"},
                                              "c": {"mode": "full"}}})
     assert text == "Swept at the full budget: `a`, `c`. Swept at the quick budget: `b`."
 
@@ -143,13 +143,13 @@ def test_the_lr_paragraph_names_this_runs_sweeps_and_the_earlier_ones():
     record = {"meta": {"date": "D", "how": "H"},
               "tasks_meta": {"gpt": {"mode": "full"}, "bert": {"mode": "full"}}}
     names = ("tuned_lr_full.json", "tuned_lr.json")
-    text = cli._lr_paragraph(record, ["gpt"], None, names)
+    text = summary._lr_paragraph(record, ["gpt"], None, names)
     assert text.startswith("**Learning rates.** Swept by this run: `gpt` (written to "
                            "`tuned_lr_full.json`). Each budget keeps its own sweeps")
     assert "Swept at the full budget: `bert`, `gpt`." in text and text.endswith("How: H.")
-    assert "Swept by this run" not in cli._lr_paragraph(record, [], None, names)
-    assert cli._lr_paragraph(None, [], None, names).startswith("**Learning rates.** UNTUNED")
-    assert cli._lr_paragraph(None, ["gpt"], None, names) == (
+    assert "Swept by this run" not in summary._lr_paragraph(record, [], None, names)
+    assert summary._lr_paragraph(None, [], None, names).startswith("**Learning rates.** UNTUNED")
+    assert summary._lr_paragraph(None, ["gpt"], None, names) == (
         "**Learning rates.** Swept by this run: `gpt` (written to `tuned_lr_full.json`).")
 
 

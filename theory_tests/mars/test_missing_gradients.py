@@ -35,6 +35,17 @@ def _np(t):
     return t.detach().numpy().copy()
 
 
+def _backward_on(opt, a, b):
+    """``backward(with_b)``: zero the gradients, then backward of |sum a|^2 (+ |sum b|^2 if
+    ``with_b``, else b gets no gradient); returns the loss (a closure for exact mode)."""
+    def backward(with_b):
+        opt.zero_grad()
+        loss = a.sum().square() + (b.sum().square() if with_b else 0.0)
+        loss.backward()
+        return loss
+    return backward
+
+
 def _sat_out(opt, params, t_out=1, steps=3):
     """Steps 0 .. t_out with the second tensor without a gradient at step ``t_out``; returns
     its parameter and state just before step t_out + 1 (the first step after)."""
@@ -155,10 +166,7 @@ def test_authors_loop_stores_zero_for_a_tensor_without_gradient_on_the_next_batc
     a, b = make_params(SHAPES, seed=7)
     opt = cls([a, b], is_approx=False, lr=0.05)
 
-    def backward(with_b):
-        opt.zero_grad()
-        loss = a.sum().square() + (b.sum().square() if with_b else 0.0)
-        loss.backward()
+    backward = _backward_on(opt, a, b)
 
     for with_b in (True, True):  # two rounds of the authors' loop with b in every batch
         backward(True)
@@ -181,11 +189,7 @@ def test_authors_loop_after_closure_steps_stores_zero_for_a_tensor_without_gradi
     a, b = make_params(SHAPES, seed=8)
     opt = MARS([a, b], is_approx=False, lr=0.05)
 
-    def backward(with_b):
-        opt.zero_grad()
-        loss = a.sum().square() + (b.sum().square() if with_b else 0.0)
-        loss.backward()
-        return loss
+    backward = _backward_on(opt, a, b)
 
     for _ in range(2):
         opt.step(lambda: backward(True))

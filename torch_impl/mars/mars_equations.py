@@ -119,10 +119,9 @@ def _step_count(k):
     return k if torch.compiler.is_compiling() else k.item()
 
 
-def _number(x):
-    """A tensor hyperparameter (lr, betas; as torch.optim.AdamW accepts them) read as a
-    number, or kept a tensor while ``torch.compile`` traces the step (``common.scalars``)."""
-    return step_scalar(x)
+# A tensor hyperparameter (lr, betas; as torch.optim.AdamW accepts them) read as a number, or
+# kept a tensor while torch.compile traces the step: common.scalars.step_scalar.
+_number = step_scalar
 
 
 # ------------------------------------------------------------------ equations (2.1-2.4)
