@@ -274,7 +274,7 @@ MUTANTS = {
     "KT11": [
         Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))",
                "    return symmetrise(np.linalg.inv(np.linalg.inv(blended) + np.outer(v, v)))"),
-        Mutant(T_F, "    u = alpha * (J @ v) + beta * v", "    u = alpha * torch.linalg.solve(torch.linalg.inv(J), v) + beta * v"),
+        Mutant(T_F, "    u = _vec(alpha, J) * _mv(J, v) + _vec(beta, J) * v", "    u = _vec(alpha, J) * torch.linalg.solve(torch.linalg.inv(J), v) + _vec(beta, J) * v"),
     ],
     "KT12": [
         Mutant(T_DIST, "            mean = buffer[start:start + sum(sizes)].to(out_dtype) / count.clamp(min=1)",
@@ -430,7 +430,7 @@ MUTANTS = {
     ],
     "PORT-ROWS": [
         # Row counts across ranks: the mean of the ranks' means instead of the union's mean.
-        Mutant(T_DIST, "            a_bar = a_sum / rows.clamp(min=1)", "            a_bar = a_sum / world"),
+        Mutant(T_DIST, "                a_bar = a_sum / rows.clamp(min=1)\n", "                a_bar = a_sum / world\n"),
         Mutant(T_DIST, "        divide = world * world if self.average == \"double\" else world",
                "        divide = world * world if self.average == \"double\" else 1"),
         Mutant(T_K, "            A = A_sum / rows.clamp(min=1)", "            A = A_sum / world"),

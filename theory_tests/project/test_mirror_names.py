@@ -48,7 +48,7 @@ TORCH_ONLY = {
     # the rows' sums the vectors are means of, kept apart so distributed capture can add them
     # over ranks before dividing
     "mkor.vectors": {"conv2d_grad_sum", "conv2d_input_sum", "grad_row_sum", "input_row_sum",
-                     "linear_grad_sum", "linear_input_sum", "row_sum"},
+                     "linear_grad_sum", "linear_input_sum", "row_sum", "expert_row_sum"},
 }
 
 

@@ -82,12 +82,14 @@ a forward hook on the attention module reads the projection's input from the aut
 that multiplies by ``out_proj.weight``, and the attention output's gradient supplies g.
 """
 import contextlib
+import math
 import warnings
 import weakref
 
 import torch
 
 from .eager_capture import EagerCaptureSteps
+from .experts import bind_expert_inputs, routed_rows
 from .hook_objects import BoundHook, Gated
 from .row_provenance import RowsMask, rows_mask
 from .self_check import SelfCheck
@@ -413,8 +415,9 @@ class Capture:
                 "it sits in the decoder of an encoder-decoder call that gave no decoder mask "
                 "(pass decoder_attention_mask or labels): all its rows are used")
 
-    def _replayed(self, layer, ctx, lead):
-        """A reentrant recompute's layout: the one its grad-free first pass recorded."""
+    def _replayed(self, layer, ctx, lead, flat=False):
+        """A reentrant recompute's layout: the one its grad-free first pass recorded
+        (``flat``: rows that read their mask flattened, as fused experts do)."""
         if ctx is _UNKNOWN:
             if self._masked_seen:
                 return RowsMask(None, "untied",
@@ -434,7 +437,8 @@ class Capture:
                             "recomputed by a reentrant checkpoint after running with "
                             f"{len(keys)} different row layouts in its first pass")
         found = layouts[0]
-        if found.mask is not None and tuple(found.mask.shape) != tuple(lead):
+        if found.mask is not None and (found.mask.numel() != math.prod(lead) if flat
+                                       else tuple(found.mask.shape) != tuple(lead)):
             return RowsMask(None, "untied", "its recomputed rows have another shape than "
                             "the first pass recorded")
         return found
@@ -463,13 +467,18 @@ class Capture:
         if ctx is not None and ctx.masks:
             ctx.replay.setdefault(layer.name, []).append(self._layout(layer, ctx, tags_of, lead))
 
-    def _input(self, layer, rows, mask):
+    def _input(self, layer, rows, mask, experts=None):
         with torch.no_grad(), torch.autocast(rows.device.type, enabled=False):
-            return self.input_stat(layer, rows.detach(), mask)
+            if experts is None:
+                return self.input_stat(layer, rows.detach(), mask)
+            return self.input_stat(layer, rows.detach(), mask, experts=experts)
 
-    def _commit(self, layer, a_stat, mask, g_rows, sketch=None):
+    def _commit(self, layer, a_stat, mask, g_rows, sketch=None, experts=None):
         with torch.no_grad(), torch.autocast(g_rows.device.type, enabled=False):
-            g_stat, g_count = self.grad_stat(layer, g_rows.detach(), mask)
+            if experts is None:
+                g_stat, g_count = self.grad_stat(layer, g_rows.detach(), mask)
+            else:
+                g_stat, g_count = self.grad_stat(layer, g_rows.detach(), mask, experts=experts)
             if sketch is not None:
                 self.check.commit(layer, sketch, mask, g_rows.detach())
         st = self._stats[layer.name]
@@ -585,9 +594,81 @@ class Capture:
             return (tag[0], tag[1]) if parent.batch_first else (tag[1], tag[0])
         return tags_of
 
+    def _experts_rows(self, layers, module, inputs, grad, ctx, found):
+        """Commit one call's statistics of both projections of a fused experts module from
+        the gradient of its output (:func:`~.experts.routed_rows`); ``found``: the layout of
+        the call's token rows, followed to each routed pair through its token."""
+        hidden, index, weights = inputs
+        with _untracked(ctx):
+            token, expert, rows = routed_rows(module, hidden, index, weights, grad)
+            mask = None if found.mask is None else found.mask.reshape(-1)[token]
+            checking = self.check.checking
+            for layer, (a, g) in zip(layers, rows):
+                self._note(layer, found, ctx)
+                sketch = self.check.sketch(layer, a, experts=expert) if checking else None
+                self._commit(layer, self._input(layer, a, mask, experts=expert), mask, g,
+                             sketch, experts=expert)
+
+    def _experts_hooks(self, layers):
+        """One forward hook on a fused experts module for its projections ``layers``: the
+        rows are recomputed in the gradient hook of the call's output, so a call that is
+        never back-propagated (a non-reentrant recompute) adds nothing, and a reentrant
+        recompute adds its call once, with the layout its first pass recorded."""
+        module = layers[0].module.experts
+        first = layers[0]
+
+        def experts_hook(module, args, kwargs, output):
+            state = self._active(module)
+            if state is None or not isinstance(output, torch.Tensor):
+                return
+            if state == "eval":
+                if output.requires_grad:
+                    self.eval_seen.update(layer.name for layer in layers)
+                return
+            inputs = bind_expert_inputs(module, args, kwargs)
+            hidden = inputs[0]
+            lead = tuple(hidden.shape[:-1])
+
+            def tags_of(tracker):
+                tag = tracker.tag_of(hidden)
+                return None if tag is None or len(tag) < 2 else tag[:-1]
+            if state == "first pass":
+                for layer in layers:
+                    self._first_pass(layer, tags_of, lead)
+                return
+            if not output.requires_grad:
+                return
+            ctx = self._context()
+            replay = _in_backward()
+            found = None if replay else self._layout(first, ctx, tags_of, lead)
+            if not replay:
+                for layer in layers:
+                    self._captured(layer)
+
+            def hook(grad):
+                try:
+                    layout = self._replayed(first, ctx, lead, flat=True) if replay else found
+                    self._experts_rows(layers, module, inputs, grad, ctx, layout)
+                except Exception as exc:  # noqa: BLE001 - named, never swallowed
+                    raise _named_error(first, exc) from exc
+                for layer in layers:
+                    self._committed(layer, counted=not replay)
+            output.register_hook(hook)
+
+        return [(module, "forward", _guarded(first, experts_hook))]
+
     def _make_hooks(self, layer):
         """[(target module, kind, hook)] for ``layer``."""
         module = layer.module
+        if layer.experts is not None:
+            if self.grad_hook == "module":
+                raise CaptureError(f"MKOR/K-FAC: {layer.name} is a fused experts projection: "
+                                   "its rows are recomputed from the gradient of the call's "
+                                   "output, which grad_hook='tensor' (the default) pairs")
+            partners = [l for l in self.layers if l.experts is not None
+                        and l.module.experts is module.experts]
+            # the projections of one module share one hook, installed with the first
+            return self._experts_hooks(partners) if partners[0] is layer else []
 
         if layer.kind == "mha_out":
             weight = module.weight

@@ -32,7 +32,10 @@ import warnings
 import torch
 import torch.nn as nn
 
+from .experts import FusedExpertsType, expert_projections, is_fused_experts, layout_problem
 from .layers import layer_type_for
+
+EXPERTS = FusedExpertsType()
 
 __all__ = ["Layer", "Discovery", "discover", "unwrap_model", "DEFAULT_MAX_FACTOR_DIM",
            "warn_identity_sides", "warn_nothing_preconditioned"]
@@ -57,6 +60,7 @@ class Layer:
         self.type = layer_type
         self.parent = parent
         self.kind = "mha_out" if parent is not None else layer_type.name
+        self.experts = layer_type.stack(module)  # None, or E for a stack of expert layers
         self.has_bias = module.bias is not None and module.bias.requires_grad
         self.d_out, d_in = layer_type.shape(module)
         self.d_in = d_in + int(self.has_bias)  # d_in' = columns of [W | b]
@@ -65,7 +69,9 @@ class Layer:
     def __repr__(self):
         sides = "".join(f", {s}=I" for s, flag in (("L", self.identity_L),
                                                    ("R", self.identity_R)) if flag)
-        return f"Layer({self.name!r}, {self.kind}, d_out={self.d_out}, d_in'={self.d_in}{sides})"
+        stack = "" if self.experts is None else f", experts={self.experts}"
+        return (f"Layer({self.name!r}, {self.kind}{stack}, d_out={self.d_out}, "
+                f"d_in'={self.d_in}{sides})")
 
 
 class Discovery:
@@ -111,6 +117,32 @@ def _owners(model):
     return owners
 
 
+_ROUTER_REASON = (
+    "an MoE router beside fused experts ({experts}): its weight enters through a product "
+    "inside the module whose output is the softmax / top-k of the logits, so the output "
+    "gradient of the product is not observable at the module's boundary; the backbone "
+    "steps it")
+
+
+def _routers(model):
+    """{name: reason} for the routers of fused experts: the siblings of a fused experts
+    module that hold parameters and are of no registered or otherwise known type (not a
+    norm, not an embedding); they keep the generic skip, with the reason made specific."""
+    out = {}
+    for parent_name, parent in model.named_modules():
+        children = dict(parent.named_children())
+        experts = [n for n, c in children.items() if is_fused_experts(c)]
+        for n, child in children.items():
+            if experts and n not in experts and layer_type_for(child) is None and any(
+                    True for _ in child.parameters(recurse=False)) and \
+                    _unsupported_type_reason(child).endswith("is not a registered layer type "
+                                                             "(see torch_impl.mkor.register_layer_type)"):
+                full = f"{parent_name}.{n}" if parent_name else n
+                out[full] = _ROUTER_REASON.format(experts=", ".join(
+                    f"{parent_name}.{e}" if parent_name else e for e in experts))
+    return out
+
+
 def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_DIM):
     """Find the preconditioned layers of ``model`` (module docstring for the rules).
 
@@ -132,17 +164,15 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
     mha_parent = {id(m.out_proj): m for m in model.modules()
                   if isinstance(m, nn.MultiheadAttention)}
     layers, skipped, identity, frozen = [], {}, {}, {}
-    for name, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        layer_type = layer_type_for(module)
-        reason = None
-        if any(fnmatch.fnmatchcase(name, p) for p in skip):
+
+    def judge(name, module, layer_type, reason=None):
+        """Add ``module`` as a layer of ``layer_type`` or record why it is skipped."""
+        if reason is None and any(fnmatch.fnmatchcase(name, p) for p in skip):
             pattern = next(p for p in skip if fnmatch.fnmatchcase(name, p))
             reason = f"skipped by the skip_modules pattern {pattern!r}"
-        elif layer_type is None:
+        elif reason is None and layer_type is None:
             reason = _unsupported_type_reason(module)
-        else:
+        elif reason is None:
             reason = layer_type.unsupported(module)
         weight = getattr(module, "weight", None) if reason is None else None
         if reason is None and (weight is None or not isinstance(weight, torch.Tensor)):
@@ -179,6 +209,27 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
                     identity[name] = ("L" if layer.identity_L else "R")
         if reason is not None:
             skipped[name] = reason
+
+    routers = _routers(model)
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if name in routers:
+            judge(name, module, None, routers[name])
+            continue
+        if is_fused_experts(module):  # a stack of E linear layers per projection
+            problem = layout_problem(module)
+            prefix = f"{name}." if name else ""
+            projections = expert_projections(module) if problem is None else []
+            for pname, projection in projections:
+                owners.setdefault(id(projection.weight), [])
+                owners[id(projection.weight)] = [
+                    prefix + pname if n == name else n for n in owners[id(projection.weight)]]
+                judge(prefix + pname, projection, EXPERTS)
+            if problem is not None:
+                skipped[name] = problem
+            continue
+        judge(name, module, layer_type_for(module))
     return Discovery(layers, skipped, identity, frozen)
 
 

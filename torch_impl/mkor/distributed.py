@@ -211,17 +211,24 @@ class VectorExchange:
                  group=None):
         self.layers, self.model, self.group = list(layers), model, group
         self.compute_dtype, self.average = compute_dtype, average
-        self.packet = Packet([[(l.d_in,), (l.d_out,)] for l in self.layers],
-                             [l.has_bias for l in self.layers], comm_dtype or compute_dtype,
-                             sums=True)
+        # a stack of experts sends its (E, .) sums and its (E,) row counts as a third
+        # tensor (one count per expert; the appended count is then unused)
+        self.packet = Packet([[(l.d_in,), (l.d_out,)] if l.experts is None else
+                              [(l.experts, l.d_in), (l.experts, l.d_out), (l.experts,)]
+                              for l in self.layers],
+                             [l.has_bias and l.experts is None for l in self.layers],
+                             comm_dtype or compute_dtype, sums=True)
         self.communicated_bytes = 0
         self._inflight = None  # (Reduction, capture commits when it was launched)
 
     def _launch(self, pending, async_op):
         """``pending``: {name: (a_sum, rows, g_sum)}."""
-        items = [[pending[l.name][0], pending[l.name][2]] if l.name in pending else None
+        items = [None if l.name not in pending else
+                 [pending[l.name][0], pending[l.name][2]] if l.experts is None else
+                 [pending[l.name][0], pending[l.name][2], pending[l.name][1]]
                  for l in self.layers]
-        counts = [pending[l.name][1] if l.name in pending else 0 for l in self.layers]
+        counts = [pending[l.name][1] if l.name in pending and l.experts is None else 0
+                  for l in self.layers]
         reduction = self.packet.all_reduce(items, self.layers[0].module.weight.device,
                                            self.group, async_op, counts)
         self.communicated_bytes += self.packet.nbytes
@@ -259,9 +266,14 @@ class VectorExchange:
         world = world_size(self.group)
         divide = world * world if self.average == "double" else world
         out = []
-        for layer, ((a_sum, g_sum), rows) in zip(self.layers, results):
+        for layer, (sums, rows) in zip(self.layers, results):
             dev = layer.module.weight.device
-            a_bar = a_sum / rows.clamp(min=1)
+            a_sum, g_sum = sums[:2]
+            if layer.experts is not None:  # per expert: its own count
+                rows = sums[2]
+                a_bar = a_sum / rows.clamp(min=1).unsqueeze(-1)
+            else:
+                a_bar = a_sum / rows.clamp(min=1)
             if self.average == "double":
                 a_bar = a_bar / world
             out.append((layer, a_bar.to(dev), (g_sum / divide).to(dev), rows.to(dev) > 0))

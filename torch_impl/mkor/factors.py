@@ -39,6 +39,25 @@ def _eye_like(J):
     return torch.eye(J.shape[-1], dtype=J.dtype, device=J.device)
 
 
+# A stack of factors (E, d, d) -- fused MoE experts, each its own layer -- runs the same
+# expressions batched: a per-matrix number (E,) meets a vector through _vec and a matrix
+# through _mat. On one (d, d) factor they are the identity, so its arithmetic is unchanged.
+def _vec(x, J):
+    return x if J.dim() == 2 or x.dim() == 0 else x.unsqueeze(-1)
+
+
+def _mat(x, J):
+    return x if J.dim() == 2 or x.dim() == 0 else x[..., None, None]
+
+
+def _mv(J, v):
+    return J @ v if J.dim() == 2 else (J @ v.unsqueeze(-1)).squeeze(-1)
+
+
+def _dot(v, u):
+    return torch.dot(v, u) if v.dim() == 1 else torch.linalg.vecdot(v, u)
+
+
 def sherman_morrison(J, v):
     r"""Sherman-Morrison rank-1 update of an inverse (K7).
 
@@ -90,12 +109,13 @@ def rank1_inverse_update(J, v, *, variant, stat_decay):
 
 
 def max_entry_norm(J):
-    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, one O(d^2) pass.
+    r"""\max_{ij} |J_{ij}|: the stabiliser's test quantity (K12); a 0-d tensor, one O(d^2) pass
+    ((E,), one per matrix, for a stack of E factors).
 
     As max(-min J, max J) from one ``aminmax`` pass: ``vector_norm(ord=inf)`` measured slower
     on CPU (``figures/bench/README.md``), and ``abs().amax()`` writes a temporary.  NaN
     propagates."""
-    low, high = torch.aminmax(J)
+    low, high = torch.aminmax(J) if J.dim() == 2 else torch.aminmax(J.flatten(-2), dim=-1)
     return torch.maximum(-low, high)
 
 
@@ -189,8 +209,8 @@ def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry
         alpha, beta = scalar(1.0), scalar(0.0)
     if variant == "released":  # K10's blend of the inverse, J' = 0.95 \hat J + 0.05 I
         alpha, beta = RELEASED_BLEND * alpha, RELEASED_BLEND * beta + (1 - RELEASED_BLEND)
-    u = alpha * (J @ v) + beta * v
-    q = torch.dot(v, u)
+    u = _vec(alpha, J) * _mv(J, v) + _vec(beta, J) * v
+    q = _dot(v, u)
     if variant == "paper":
         kappa = 1.0 / stat_decay
         w = (1 - stat_decay) / (stat_decay * (stat_decay + (1 - stat_decay) * q))
@@ -206,9 +226,13 @@ def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry
         A = torch.where(is_first, scalar(0.0), A)
         B = torch.where(is_first, scalar(1.0), B)
         w = torch.where(is_first, scalar(0.0), w)
-    a = u * torch.sqrt(w)
-    J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-1.0)
-    J_new.diagonal().add_(B)
+    a = u * _vec(torch.sqrt(w), J)
+    if J.dim() == 2:
+        J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-1.0)
+    else:  # each matrix minus its own a a^T
+        J_new = torch.mul(J, _mat(A, J), out=out).baddbmm_(
+            a.unsqueeze(-1), a.unsqueeze(-2), alpha=-1.0)
+    J_new.diagonal(dim1=-2, dim2=-1).add_(_vec(B, J))
     if timing == "deferred":
         fired = needs_stabilising(J_new, threshold, norm)
     if first_mode == "identity":
@@ -227,6 +251,8 @@ def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):
     (d_out, d_in) buffers that receive the weight blocks of \hat G R^{-1} and Delta, so a
     step allocates no matrix (on CPU a fresh 4 MB tensor costs ~1,000 page faults).
     """
+    if any(F is not None and F.dim() == 3 for F in (L_inv, R_inv)):
+        return _precondition_stack(L_inv, R_inv, grad_W, grad_b)
     d_out = grad_W.shape[0]
     G = grad_W.reshape(d_out, -1)
     X, D = work if work is not None else (None, None)
@@ -244,6 +270,22 @@ def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):
     x_b = torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])
     return (torch.mm(L_inv, X, out=D).reshape(grad_W.shape),
             (L_inv @ x_b).reshape(grad_b.shape))
+
+
+def _precondition_stack(L_inv, R_inv, grad_W, grad_b):
+    r"""precondition() of a stack of experts, each its own layer: \Delta_e = L_e^{-1}
+    [
+abla W_e | 
+abla b_e] R_e^{-1}, batched (one product per shape for all E), the bias
+    column joined to the weight columns (E small matrices, so no block trick)."""
+    G = grad_W if grad_b is None else torch.cat([grad_W, grad_b.unsqueeze(-1)], dim=-1)
+    if R_inv is not None:
+        G = G @ R_inv
+    if L_inv is not None:
+        G = L_inv @ G
+    if grad_b is None:
+        return G, None
+    return G[..., :-1], G[..., -1]
 
 
 def _one_sided(L_inv, R_inv, G, grad_b, out, shape):
@@ -276,6 +318,8 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
     receives the weight block, so no matrix is allocated.
     """
     has_b = grad_b is not None
+    if grad_W.dim() == 3:  # a stack of experts: one s per expert
+        return _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W)
     if mode == "joint":
         grad_norm = torch.linalg.vector_norm(grad_W).square()
         delta_norm = torch.linalg.vector_norm(delta_W).square()
@@ -298,4 +342,26 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
     # s Delta cannot overflow: ``usable`` is the whole guard (no per-entry isfinite pass).
     out_W = torch.where(usable, delta_W.mul_(s), grad_W, out=out_W)
     out_b = torch.where(usable, delta_b.mul_(s), grad_b) if has_b else None
+    return out_W, out_b
+
+
+def _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W):
+    """rescale() of each expert of a stack with its own norms (the same rule and guard)."""
+    def norm(x, dims):
+        return torch.linalg.vector_norm(x, dim=dims)
+    has_b = grad_b is not None
+    if mode not in ("joint", "sum_of_norms"):
+        raise ValueError(f"rescale mode must be 'joint' or 'sum_of_norms', got {mode!r}")
+    joint = mode == "joint"
+    grad_norm = norm(grad_W, (-2, -1)).square() if joint else norm(grad_W, (-2, -1))
+    delta_norm = norm(delta_W, (-2, -1)).square() if joint else norm(delta_W, (-2, -1))
+    if has_b:
+        grad_norm = grad_norm + (norm(grad_b, -1).square() if joint else norm(grad_b, -1))
+        delta_norm = delta_norm + (norm(delta_b, -1).square() if joint else norm(delta_b, -1))
+    if joint:
+        grad_norm, delta_norm = grad_norm.sqrt(), delta_norm.sqrt()
+    usable_e = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)
+    s = grad_norm / torch.where(usable_e, delta_norm, torch.ones_like(delta_norm))
+    out_W = torch.where(usable_e[:, None, None], delta_W * s[:, None, None], grad_W, out=out_W)
+    out_b = torch.where(usable_e[:, None], delta_b * s[:, None], grad_b) if has_b else None
     return out_W, out_b

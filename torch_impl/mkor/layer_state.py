@@ -25,17 +25,28 @@ def initial_layer_state(layer, factor_dtype, device=None):
     size guard leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no
     factor."""
     dev = layer.module.weight.device if device is None else device
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
-    false = torch.zeros((), dtype=torch.bool, device=dev)
+    stack = () if layer.experts is None else (layer.experts,)  # a counter per expert
+    zero = torch.zeros(stack, dtype=torch.int64, device=dev)
+    false = torch.zeros(stack, dtype=torch.bool, device=dev)
     state = {"updates_a": zero.clone(), "updates_g": zero.clone(),
              "reset_a": false.clone(), "reset_g": false.clone(),
              "non_finite": zero.clone(), "overflow": zero.clone(), "no_rows": zero.clone(),
              "fired": zero.clone()}
     if not layer.identity_L:
-        state["L_inv"] = torch.eye(layer.d_out, dtype=factor_dtype, device=dev)
+        state["L_inv"] = _identities(stack, layer.d_out, factor_dtype, dev)
     if not layer.identity_R:
-        state["R_inv"] = torch.eye(layer.d_in, dtype=factor_dtype, device=dev)
+        state["R_inv"] = _identities(stack, layer.d_in, factor_dtype, dev)
     return state
+
+
+def _identities(stack, d, dtype, device):
+    eye = torch.eye(d, dtype=dtype, device=device)
+    return eye if not stack else eye.expand(*stack, d, d).clone()
+
+
+def _per_matrix(flag, J):
+    """A per-matrix flag ((E,) for a stack of experts) broadcast against the factors."""
+    return flag if J.dim() == 2 or flag.dim() == 0 else flag[..., None, None]
 
 
 class Workspace:
@@ -93,7 +104,7 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
             reset_flag=flag, out=buf)
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
         # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
-        finite_v = torch.isfinite(v).all()
+        finite_v = torch.isfinite(v).all(dim=-1)  # per expert for a stack
         finite_J = torch.isfinite(max_entry_norm(J_new))
         bad_v, bad_J = ~finite_v, finite_v & ~finite_J
         ok = finite_v & finite_J
@@ -101,10 +112,11 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
             bad_v, bad_J, ok = present & bad_v, present & bad_J, ok & present
         s["non_finite"] = s["non_finite"] + bad_v.long()
         s["overflow"] = s["overflow"] + bad_J.long()
+        keep = _per_matrix(ok, J)
         if buf is not None and s[key].dtype == cd:  # J is the stored factor: update in place
-            torch.where(ok, J_new, J, out=s[key])
+            torch.where(keep, J_new, J, out=s[key])
         else:
-            s[key] = torch.where(ok, J_new, J).to(o.factor_dtype)
+            s[key] = torch.where(keep, J_new, J).to(o.factor_dtype)
         return ok, fired
 
     ok_a, fired_a = update("R_inv", R, a_bar, s["updates_a"] == 0, flag_a)
@@ -153,11 +165,12 @@ def _precondition_gradients(layer, s, o, workspace, grads):
     grad_W = matrix.to(cd)
     grad_b = None
     bias_grad = grads.bias if layer.has_bias else None
+    stack = () if layer.experts is None else (layer.experts,)
     if layer.has_bias:  # an unused bias still owns a column of R
         grad_b = (bias_grad.to(cd) if bias_grad is not None
-                  else torch.zeros(layer.d_out, dtype=cd, device=grad_W.device))
+                  else torch.zeros(*stack, layer.d_out, dtype=cd, device=grad_W.device))
     pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
-    shape = (layer.d_out, layer.d_in - layer.has_bias)  # d_in counts the bias column
+    shape = (*stack, layer.d_out, layer.d_in - layer.has_bias)  # d_in counts the bias column
     work = None if workspace is None else workspace.views([shape, shape], pd, grad_W.device)
     L_inv, R_inv = s.get("L_inv"), s.get("R_inv")
     delta_W, delta_b = precondition(None if L_inv is None else L_inv.to(pd),

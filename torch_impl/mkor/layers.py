@@ -45,6 +45,12 @@ class LayerType:
         """None if ``module`` can be preconditioned, else the reason it is skipped."""
         return None
 
+    def stack(self, module):
+        """None for one layer; E for a stack of E independent layers of one shape (fused MoE
+        experts, :mod:`.experts`): statistics, factors and counters then carry a leading
+        expert dimension, and every matrix of the stack is its own layer."""
+        return None
+
     def shape(self, module):
         """(d_out, d_in) of the weight matrix, without the bias column."""
         raise NotImplementedError

@@ -55,12 +55,20 @@ def _promote(rows):
     return rows.to(torch.promote_types(rows.dtype, torch.float32))
 
 
-def _input_stat(layer, rows, mask):
-    return input_row_sum(_promote(rows), mask, layer.has_bias)
+def _input_stat(layer, rows, mask, experts=None):
+    return input_row_sum(_promote(rows), mask, layer.has_bias, experts, layer.experts)
 
 
-def _grad_stat(layer, rows, mask):
-    return grad_row_sum(_promote(rows), mask, layer.type.rows_per_sample(rows.shape[:-1]))
+def _grad_stat(layer, rows, mask, experts=None):
+    return grad_row_sum(_promote(rows), mask, layer.type.rows_per_sample(rows.shape[:-1]),
+                        experts, layer.experts)
+
+
+def _row_mean(a_sum, rows):
+    """a_sum / rows over the rows that exist (a count of 0 gives 0, never 0/0); a stack of
+    experts divides each expert's sum by its own count."""
+    rows = rows.clamp(min=1)
+    return a_sum / (rows.unsqueeze(-1) if rows.dim() else rows)
 
 
 class MKOR(HybridSwitching, PreconditionedOptimizer):
@@ -399,7 +407,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         out = {}
         for name, (a_sum, rows, g) in self.pending_sums().items():
             if isinstance(rows, torch.Tensor):
-                out[name] = (a_sum / rows.clamp(min=1), g)
+                out[name] = (_row_mean(a_sum, rows), g)
             elif rows > 0:
                 out[name] = (a_sum / rows, g)
         return out
@@ -423,8 +431,8 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                     out.append((layer, None, None, False))
                     continue
                 a_sum, rows, g = pending[layer.name]
-                if isinstance(rows, torch.Tensor):  # masked: no host sync
-                    out.append((layer, a_sum / rows.clamp(min=1), g, rows > 0))
+                if isinstance(rows, torch.Tensor):  # masked or experts: no host sync
+                    out.append((layer, _row_mean(a_sum, rows), g, rows > 0))
                 elif rows > 0:
                     out.append((layer, a_sum / rows, g, None))
                 else:  # only calls with 0 rows (an MoE expert routed no tokens)

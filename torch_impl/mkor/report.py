@@ -2,6 +2,8 @@
 preconditioned and why the others are not, which rows each read, and the self-check's
 verdicts (:meth:`HookedLayers.capture_report`)."""
 
+import torch
+
 __all__ = ["CaptureReport", "HookedLayers"]
 
 
@@ -59,7 +61,7 @@ class HookedLayers:
                 "reason": released.get(name),
                 "mask": capture.mask_source.get(name, "not captured yet"),
                 "unmasked": capture.unmasked.get(name),
-                "rows": None if count is None else int(count),
+                "rows": None if count is None else _rows(count),
                 "eval_mode_seen": name in capture.eval_seen,
                 "self_check": dict(capture.check.verdicts.get(name, {})),
             }
@@ -69,6 +71,13 @@ class HookedLayers:
                               "unmasked": None, "rows": None, "eval_mode_seen": False,
                               "self_check": {}}
         return CaptureReport(rows, sorted(capture.mask_notes))
+
+
+def _rows(count):
+    """A layer's row count; a stack of experts has one per expert (a list)."""
+    if isinstance(count, torch.Tensor) and count.dim() == 1:
+        return [int(c) for c in count.tolist()]
+    return int(count)
 
 
 class CaptureReport(dict):
@@ -88,7 +97,8 @@ class CaptureReport(dict):
             check = row["self_check"]
             verdict = ", ".join(f"{k} {check[k]}" for k in ("padding", "weight") if k in check)
             why = row["reason"] or row["unmasked"] or ""
-            rows = "" if row["rows"] is None else str(row["rows"])
+            rows = ("" if row["rows"] is None else str(sum(row["rows"])) if
+                    isinstance(row["rows"], list) else str(row["rows"]))
             lines.append(f"{name or '<model>':<{width}} "
                          f"{'yes' if row['preconditioned'] else 'no':<8} "
                          f"{row['mask'] or '':<{mask_width}} {rows:>6}  "

@@ -135,19 +135,27 @@ class SelfCheck:
             d_in = layer.d_in - int(layer.has_bias)
             u = torch.randn(layer.d_out, generator=g, dtype=torch.float64)
             v = torch.randn(d_in, generator=g, dtype=torch.float64)
-            probe = self._probes[key] = (u.to(device, dtype), v.to(device, dtype))
+            # a stack of experts: one more probe c, one weight per expert, so that the one
+            # projected comparison sum_e c_e u^T grad_e v checks every expert's own gradient
+            c = (None if layer.experts is None else
+                 torch.randn(layer.experts, generator=g, dtype=torch.float64).to(device, dtype))
+            probe = self._probes[key] = (u.to(device, dtype), v.to(device, dtype), c)
         return probe
 
     @staticmethod
     def _dtype(layer):
         return torch.promote_types(layer.module.weight.dtype, torch.float32)
 
-    def sketch(self, layer, rows):
-        """(a_i^T v, |a_i|^T |v|, rows' dtype) of one call's input rows."""
+    def sketch(self, layer, rows, experts=None):
+        """(a_i^T v, |a_i|^T |v|, rows' dtype) of one call's input rows; rows of a stack of
+        experts (``experts``: each row's expert) are weighted by their expert's c_e."""
         dtype = self._dtype(layer)
-        _, v = self._probe(layer, rows.device, dtype)
+        _, v, c = self._probe(layer, rows.device, dtype)
         r = rows.detach().to(dtype)
-        return r @ v, r.abs() @ v.abs(), rows.dtype
+        pa, sa = r @ v, r.abs() @ v.abs()
+        if experts is not None:
+            pa, sa = pa * c[experts], sa * c.abs()[experts]
+        return pa, sa, rows.dtype
 
     def _run(self, name):
         run = self._runs.get(name)
@@ -159,7 +167,7 @@ class SelfCheck:
         """One call's gradient rows: the padding check and the projected sum."""
         pa, sa, rows_dtype = sketch
         dtype = self._dtype(layer)
-        u, _ = self._probe(layer, g.device, dtype)
+        u = self._probe(layer, g.device, dtype)[0]
         gg = g.to(dtype)
         product = (gg @ u) * pa
         run = self._run(layer.name)
@@ -184,13 +192,16 @@ class SelfCheck:
         runs = [self._runs.get(n) for n in names]
         committed = [r for r in runs if r is not None and r.committed]
         dtype = self._dtype(layer)
-        u, v = self._probe(layer, grad.device, dtype)
+        u, v, c = self._probe(layer, grad.device, dtype)
         try:
             matrix = layer.type.as_matrix(layer.module, grad)
         except NotImplementedError:  # a registered type without the weight's layout
             self.no_layout.add(layer.name)
             return
-        observed = u @ matrix.to(dtype) @ v
+        if c is None:
+            observed = u @ matrix.to(dtype) @ v
+        else:  # sum_e c_e u^T grad_e v
+            observed = c @ ((u @ matrix.to(dtype)) @ v)
         if not committed:  # a backward through a use no hook captured
             run = self._run(names[0])
             run.ratio = torch.where(observed != 0, math.inf, 0.0).to(dtype)
@@ -198,7 +209,7 @@ class SelfCheck:
             return
         e = sum(r.e for r in committed)
         s = sum(r.s for r in committed)
-        n = sum(r.n for r in committed)
+        n = sum(r.n for r in committed) + (layer.experts or 0)  # c @ (...) sums E terms more
         low = max(r.low for r in committed)
         if grad.is_cuda and dtype == torch.float32 and (
                 torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "row_sum", "input_row_sum", "grad_row_sum",
+    "row_sum", "expert_row_sum", "input_row_sum", "grad_row_sum",
     "linear_input_sum", "linear_grad_sum", "linear_rank1_vectors",
     "unfold2d", "conv2d_input_sum", "conv2d_grad_sum", "conv2d_rank1_vectors",
 ]
@@ -46,8 +46,27 @@ def row_sum(rows, mask=None):
     return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()
 
 
-def input_row_sum(rows, mask, has_bias):
-    r"""Additive input statistic of any layer type: (sum_i [a_i | 1], N) over its rows."""
+def expert_row_sum(rows, mask, experts, num_experts):
+    r"""Per-expert :func:`row_sum` of routed rows (S, d), ``experts`` (S,) each row's expert:
+    ((E, d) sums, (E,) counts), expert e's the sum and number of the selected rows routed to
+    it (zeros and 0 for an expert routed none). One ``index_add_`` each: no loop over the
+    experts, no host sync."""
+    kept = rows if mask is None else torch.where(mask.unsqueeze(-1), rows, 0)
+    total = rows.new_zeros(num_experts, rows.shape[-1]).index_add_(0, experts, kept)
+    ones = (torch.ones_like(experts) if mask is None else mask.long())
+    count = torch.zeros(num_experts, dtype=torch.long, device=rows.device).index_add_(
+        0, experts, ones)
+    return total, count
+
+
+def input_row_sum(rows, mask, has_bias, experts=None, num_experts=None):
+    r"""Additive input statistic of any layer type: (sum_i [a_i | 1], N) over its rows; for
+    a stack of experts (``experts``: each row's expert) the (E, d_in') sums and (E,) counts."""
+    if experts is not None:
+        total, n = expert_row_sum(rows, mask, experts, num_experts)
+        if not has_bias:
+            return total, n
+        return torch.cat([total, n.unsqueeze(-1).to(total.dtype)], dim=-1), n
     total, n = row_sum(rows, mask)
     if not has_bias:
         return total, n
@@ -56,9 +75,12 @@ def input_row_sum(rows, mask, has_bias):
     return torch.cat([total, ones]), n
 
 
-def grad_row_sum(rows, mask, rows_per_sample):
+def grad_row_sum(rows, mask, rows_per_sample, experts=None, num_experts=None):
     r"""Additive output-gradient statistic: (sum_i g_i / r, N / r), r rows per sample, so
-    g_bar = sum_i g_i for Linear (K6) and (1/L) sum_{b,l} g_{b,l} for Conv2d (K4)."""
+    g_bar = sum_i g_i for Linear (K6) and (1/L) sum_{b,l} g_{b,l} for Conv2d (K4); per expert
+    for a stack of experts (one row per routed pair, r = 1)."""
+    if experts is not None:
+        return expert_row_sum(rows, mask, experts, num_experts)
     total, n = row_sum(rows, mask)
     if rows_per_sample == 1:
         return total, n

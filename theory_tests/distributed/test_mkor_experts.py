@@ -1,0 +1,129 @@
+"""Fused experts under DDP and FSDP2 (issue 31): the per-expert row counts travel with the
+sums, so an expert routed no token on one rank adds zeros, and every rank's factors and
+parameters equal one process that runs every rank's batch with the loss averaged over the
+ranks (what DDP's gradient averaging computes)."""
+import pytest
+import torch
+import torch.nn as nn
+
+from theory_tests.support.distributed_harness import run
+
+transformers = pytest.importorskip("transformers")
+
+f64 = torch.float64
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def _model():
+    config = transformers.MixtralConfig(
+        hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=64,
+        max_position_embeddings=16)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).to(f64)
+
+
+def _batch(t, rank):
+    g = torch.Generator().manual_seed(100 * t + rank)
+    return torch.randint(0, 64, (1, 3), generator=g)  # 6 routed pairs: experts go unused
+
+
+def _optimizer(kind, model):
+    from torch_impl import KFAC, MKOR
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kind == "mkor":
+        return MKOR(model, sgd, inv_freq=1, factor_dtype=f64)
+    return KFAC(model, sgd, inv_freq=1, factor_freq=1)
+
+
+def _factors(pre):
+    return {name: [t.clone() for t in pair if t is not None]
+            for name, pair in (pre.inverse_factors() if hasattr(pre, "inverse_factors")
+                               else pre.factors()).items()}
+
+
+def _routed(model, ids):
+    """Per expert, how many pairs of this batch are routed to it."""
+    seen = {}
+
+    def keep(module, args):
+        seen["index"] = args[1].clone()
+    handle = model.model.layers[0].mlp.experts.register_forward_pre_hook(keep)
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    return torch.bincount(seen["index"].reshape(-1), minlength=8)
+
+
+def _on_ranks(rank, world, kind, steps):
+    model = nn.parallel.DistributedDataParallel(_model())
+    pre = _optimizer(kind, model)
+    for t in range(steps):
+        ids = _batch(t, rank)
+        model(input_ids=ids, labels=ids).loss.backward()
+        pre.step()
+        pre.zero_grad()
+    return {"factors": _factors(pre), "params": {n: p.detach().clone() for n, p in
+                                                 model.module.named_parameters()},
+            "counters": {k: v.clone() for k, v in pre.counters()[EXPERTS + ".down_proj"].items()}}
+
+
+def _one_process(kind, steps, world):
+    model = _model()
+    pre = _optimizer(kind, model)
+    for t in range(steps):
+        loss = sum(model(input_ids=_batch(t, r), labels=_batch(t, r)).loss
+                   for r in range(world)) / world
+        loss.backward()
+        pre.step()
+        pre.zero_grad()
+    return _factors(pre), {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["mkor", "kfac"])
+def test_ddp_experts_equal_one_process_on_the_union(kind):
+    steps, world = 3, 2
+    routed = [_routed(_model(), _batch(0, r)) for r in range(world)]
+    # the premise: some expert gets pairs on one rank and none on the other
+    assert any((routed[0] == 0) & (routed[1] > 0)) or any((routed[1] == 0) & (routed[0] > 0))
+    factors, params = _one_process(kind, steps, world)
+    for res in run(_on_ranks, world, kind, steps):
+        for name, ref in factors.items():
+            for a, b in zip(res["factors"][name], ref):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+        for name, p in params.items():
+            torch.testing.assert_close(res["params"][name], p, rtol=1e-12, atol=1e-13, msg=name)
+        assert res["counters"]["non_finite"].sum() == 0
+
+
+def _fsdp_on_ranks(rank, world, kind, steps, placement):
+    from torch.distributed.fsdp import fully_shard
+    model = _model()
+    fully_shard(model.model.layers[0])  # the experts' stacks: Shard(0) on the expert axis
+    fully_shard(model)
+    pre = _optimizer(kind, model) if placement == "replicated" else None
+    if pre is None:
+        from torch_impl import KFAC, MKOR
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        pre = (MKOR(model, sgd, inv_freq=1, factor_dtype=f64, factor_placement="owner")
+               if kind == "mkor" else
+               KFAC(model, sgd, inv_freq=1, factor_freq=1, factor_placement="owner"))
+    for t in range(steps):
+        ids = _batch(t, rank)
+        model(input_ids=ids, labels=ids).loss.backward()
+        pre.step()
+        pre.zero_grad()
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("placement", ["replicated", "owner"])
+@pytest.mark.parametrize("kind", ["mkor", "kfac"])
+def test_fsdp2_experts_equal_one_process_on_the_union(kind, placement):
+    """fully_shard shards each stack on its expert axis; the stack's gradient is gathered
+    whole, preconditioned per expert and written back to each rank's experts."""
+    steps, world = 3, 2
+    _, params = _one_process(kind, steps, world)
+    for got in run(_fsdp_on_ranks, world, kind, steps, placement):
+        for name, p in params.items():
+            torch.testing.assert_close(got[name], p, rtol=1e-12, atol=1e-13, msg=name)

@@ -1,0 +1,195 @@
+r"""Fused mixture-of-experts modules as stacks of linear layers (issue 31; oracle:
+``reference/mkor/experts.py``).
+
+transformers 5 stores a model's experts as 3-D parameters of one module, decorated with
+``transformers.integrations.moe.use_experts_implementation``, which also declares the
+layout: ``has_gate`` (a ``gate_up_proj`` [gate; up] or a plain ``up_proj``),
+``is_concatenated`` (how gate and up interleave: the module's own ``_apply_gate`` reads it),
+``is_transposed`` (experts stored (E, d_in, d_out) instead of (E, d_out, d_in)), ``has_bias``
+and ``has_post_expert_norm``. Per routed (token t, slot j) pair, expert e = top_k_index[t, j],
+weight w = top_k_weights[t, j]:
+
+.. math::
+    h = W^{up}_e x_t (+ b^{up}_e),\quad a_2 = \mathrm{gate}(h),\quad
+    y = W^{down}_e a_2 (+ b^{down}_e),\quad \mathrm{out}_t \mathrel{+}= w\, \mathrm{norm}(y).
+
+Each projection is one :class:`~.discovery.Layer` holding E independent linear layers
+(``layer.experts = E``; ``d_out``, ``d_in`` are one expert's): expert e's rows are those of the
+pairs routed to it, exactly the rows an ``nn.Linear`` expert would see in the loop over the
+experts that got tokens, so
+
+* up projection: a = x_t, g = dL/dh (the gate's VJP of the down projection's input gradient);
+* down projection: a = a_2, g = dL/dy = w dL/dout_t (through the post-norm's VJP if any):
+  the routing weight enters the output gradient there;
+* an expert routed no pair has 0 rows ("no rows", not a skip); a padding mask follows each
+  pair's token (``token``).
+
+The rows are not observable at the module's boundary (h and a_2 live inside its forward,
+whichever experts implementation runs it), so on a capture step they are recomputed from the
+module's inputs and the gradient of its output, in the gradient hook: one more pass through
+the routed experts, with the module's own ``_apply_gate``, activation and norm, so every
+layout the decorator declares is handled. Refused with the layout named: expert parallelism
+(sentinel expert ids); a forward that does not take (hidden_states, top_k_index,
+top_k_weights).
+"""
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .layers import LayerType
+
+__all__ = ["ExpertProjection", "FusedExpertsType", "is_fused_experts", "expert_projections",
+           "routed_rows", "bind_expert_inputs"]
+
+#: what ``use_experts_implementation`` sets on every instance of a decorated class
+_LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def is_fused_experts(module):
+    """Whether ``module`` is an instance of a class decorated by transformers'
+    ``use_experts_implementation``: the decorator's layout attributes are there and the class's
+    forward is the decorator's wrapper of its own (``__wrapped__``)."""
+    forward = getattr(type(module), "forward", None)
+    return (all(hasattr(module, a) for a in _LAYOUT) and hasattr(module, "num_experts")
+            and getattr(forward, "__wrapped__", None) is not None)
+
+
+class ExpertProjection:
+    """One projection of a fused experts module as a layer-like object: ``weight`` the 3-D
+    parameter, ``bias`` its (E, d_out) bias or None, ``training`` the module's."""
+
+    def __init__(self, experts, weight_name):
+        self.experts, self.weight_name = experts, weight_name
+        self.weight = getattr(experts, weight_name)
+        self.bias = getattr(experts, weight_name + "_bias", None) if experts.has_bias else None
+        self.transposed = bool(experts.is_transposed)
+
+    @property
+    def training(self):
+        return self.experts.training
+
+    def __repr__(self):
+        return f"ExpertProjection({type(self.experts).__name__}.{self.weight_name})"
+
+
+def expert_projections(module):
+    """[(parameter name, ExpertProjection)] of a fused experts module: the up (or gate-up)
+    projection, then the down projection."""
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    return [(up, ExpertProjection(module, up)), ("down_proj", ExpertProjection(module, "down_proj"))]
+
+
+def layout_problem(module):
+    """None if the module's declared layout is one the capture can follow, else why not."""
+    names = [n for n, _ in expert_projections(module)]
+    missing = [n for n in names if not isinstance(getattr(module, n, None), torch.nn.Parameter)]
+    if missing:
+        return f"fused experts without the parameters {missing} its layout declares"
+    params = inspect.signature(type(module).forward).parameters
+    if not all(n in params for n in _INPUTS):
+        return (f"fused experts whose forward takes {list(params)[1:]}, not "
+                f"{list(_INPUTS)}: the routed rows cannot be followed")
+    E = module.num_experts
+    for n in names:
+        w = getattr(module, n)
+        if w.dim() != 3 or w.shape[0] != E:
+            return (f"fused experts parameter {n} of shape {tuple(w.shape)}: expected "
+                    f"(num_experts={E}, ., .)")
+        b = getattr(module, n + "_bias", None) if module.has_bias else None
+        d_out = w.shape[2] if module.is_transposed else w.shape[1]
+        if module.has_bias and (b is None or tuple(b.shape) != (E, d_out)):
+            return f"fused experts declare has_bias but {n}_bias is not an (E, {d_out}) tensor"
+    return None
+
+
+class FusedExpertsType(LayerType):
+    """One projection of a fused experts module: E linear layers (module docstring)."""
+
+    name = "experts"
+
+    def matches(self, module):
+        return isinstance(module, ExpertProjection)
+
+    def stack(self, module):
+        return module.weight.shape[0]
+
+    def shape(self, module):
+        _, rows, cols = module.weight.shape
+        return (cols, rows) if module.transposed else (rows, cols)
+
+    def rows_per_sample(self, lead):
+        return 1
+
+    def as_matrix(self, module, weight_like):
+        return weight_like.mT if module.transposed else weight_like
+
+
+def bind_expert_inputs(module, args, kwargs):
+    """(hidden_states, top_k_index, top_k_weights) of one call, bound by name to the class's
+    own forward signature (never by position alone)."""
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    return tuple(bound.arguments[n] for n in _INPUTS)
+
+
+def _linear(x, weight, bias, transposed):
+    y = x @ weight if transposed else x @ weight.T
+    return y if bias is None else y + bias
+
+
+def routed_rows(module, hidden, top_k_index, top_k_weights, grad_out):
+    """Every routed pair's rows of both projections, recomputed from the call's inputs and
+    the gradient of its output (module docstring). Returns ``(token, expert, rows)``:
+    ``token``, ``expert`` (S,) per pair in (token, slot) order, and ``rows`` a list of
+    ``(a, g)`` per projection (up, down), each (S, d). No graph is kept."""
+    if getattr(module, "_is_expert_parallel", False):
+        raise ValueError("fused experts under expert parallelism (sentinel expert ids): the "
+                         "rows of the experts this rank does not hold are not here")
+    T, k = top_k_index.shape
+    expert = top_k_index.reshape(-1)
+    token = torch.arange(T, device=expert.device).repeat_interleave(k)
+    w = top_k_weights.reshape(-1, 1)
+    (up_name, up), (_, down) = expert_projections(module)
+    x = hidden.detach()[token]
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=module.num_experts).tolist()  # one host sync
+    h = x.new_empty(x.shape[0], up.weight.shape[2] if up.transposed else up.weight.shape[1])
+    start = 0
+    for e, n in enumerate(counts):  # contiguous runs of the pairs sorted by expert
+        if n:
+            rows = order[start:start + n]
+            h[rows] = _linear(x[rows], up.weight.detach()[e],
+                              None if up.bias is None else up.bias.detach()[e], up.transposed)
+        start += n
+    with torch.enable_grad():
+        h = h.requires_grad_()
+        a2 = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        g_y = w.to(grad_out.dtype) * grad_out.detach()[token]
+        g_a2 = torch.empty_like(a2)
+        y = None
+        if module.has_post_expert_norm:
+            y = torch.empty(x.shape[0], down.weight.shape[2] if down.transposed else
+                            down.weight.shape[1], dtype=a2.dtype, device=a2.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = order[start:start + n]
+                W = down.weight.detach()[e]
+                if y is not None:
+                    y[rows] = _linear(a2.detach()[rows], W,
+                                      None if down.bias is None else down.bias.detach()[e],
+                                      down.transposed)
+            start += n
+        if y is not None:  # dL/dy through the norm applied after each expert
+            y = y.requires_grad_()
+            (g_y,) = torch.autograd.grad(module.post_expert_norm(y), y, g_y)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = order[start:start + n]
+                W = down.weight.detach()[e]
+                g_a2[rows] = g_y[rows] @ W.T if down.transposed else g_y[rows] @ W
+            start += n
+        (g_h,) = torch.autograd.grad(a2, h, g_a2)
+    return token, expert, [(x, g_h.detach()), (a2.detach(), g_y.detach())]
