@@ -180,3 +180,20 @@ def test_expert_parallelism_is_refused_when_captured():
     with pytest.raises(Exception, match="expert parallelism"):
         model(input_ids=ids, labels=ids).loss.backward()
     mkor.remove()
+
+
+def test_the_self_check_catches_a_gradient_moved_between_experts():
+    """The weight check compares each expert's own gradient (one random weight per expert),
+    so two experts' gradients swapped -- the same sum over the stack -- release the layer."""
+    from torch_impl import MKOR
+    model = _mixtral()
+    weight = model.model.layers[0].mlp.experts.down_proj
+    weight.register_hook(lambda g: g[[1, 0, 2, 3]])  # runs before MKOR's own hook
+    mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=1)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    mkor.step()
+    report = mkor.capture_report()
+    assert report["model.layers.0.mlp.experts.down_proj"]["self_check"]["weight"] == "fail"
+    assert report["model.layers.0.mlp.experts.gate_up_proj"]["self_check"]["weight"] == "pass"
+    assert "model.layers.0.mlp.experts.down_proj" in mkor.skip_reasons

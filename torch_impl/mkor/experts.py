@@ -44,7 +44,18 @@ __all__ = ["ExpertProjection", "FusedExpertsType", "is_fused_experts", "expert_p
 
 #: what ``use_experts_implementation`` sets on every instance of a decorated class
 _LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
-_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+#: the forward's three inputs, under the names transformers' experts classes give them (GPT-OSS
+#: calls the routing inputs router_indices / routing_weights)
+_INPUTS = (("hidden_states",), ("top_k_index", "router_indices"),
+           ("top_k_weights", "routing_weights"))
+
+
+def _input_names(module):
+    """The names of (hidden_states, top_k_index, top_k_weights) in the class's forward, or
+    None when one of them is not there."""
+    params = inspect.signature(type(module).forward).parameters
+    names = [next((n for n in aliases if n in params), None) for aliases in _INPUTS]
+    return None if None in names else names
 
 
 def is_fused_experts(module):
@@ -87,10 +98,10 @@ def layout_problem(module):
     missing = [n for n in names if not isinstance(getattr(module, n, None), torch.nn.Parameter)]
     if missing:
         return f"fused experts without the parameters {missing} its layout declares"
-    params = inspect.signature(type(module).forward).parameters
-    if not all(n in params for n in _INPUTS):
-        return (f"fused experts whose forward takes {list(params)[1:]}, not "
-                f"{list(_INPUTS)}: the routed rows cannot be followed")
+    if _input_names(module) is None:
+        params = inspect.signature(type(module).forward).parameters
+        return (f"fused experts whose forward takes {list(params)[1:]}, not (hidden_states, "
+                "top_k_index, top_k_weights): the routed rows cannot be followed")
     E = module.num_experts
     for n in names:
         w = getattr(module, n)
@@ -130,7 +141,7 @@ def bind_expert_inputs(module, args, kwargs):
     """(hidden_states, top_k_index, top_k_weights) of one call, bound by name to the class's
     own forward signature (never by position alone)."""
     bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    return tuple(bound.arguments[n] for n in _INPUTS)
+    return tuple(bound.arguments[n] for n in _input_names(module))
 
 
 def _linear(x, weight, bias, transposed):

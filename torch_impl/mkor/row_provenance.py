@@ -679,7 +679,9 @@ def rows_mask(entries, lead, masks, cache=None):
         return RowsMask(None, "untied", why)
     if batch[0][1] != batch_key(masks[src].shape[0]):
         return RowsMask(None, "untied", "its rows' batch is not its positions' mask's")
-    key = (src, tuple(flat))
+    # the rows' shape is part of the key: (B, T) rows and the same tokens flattened to (B T)
+    # (a MoE block's input) have the same atoms but not the same mask shape
+    key = (src, tuple(flat), tuple(lead))
     if cache is not None and key in cache:
         return cache[key]
     mask = masks[src]
