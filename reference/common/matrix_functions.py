@@ -6,6 +6,9 @@ Both map a matrix M = U diag(s) V^T to (approximately) its polar factor U V^T:
 * ``newton_schulz`` is the official code's five-step quintic (M13): cheap, matmul-only,
   and only approximately orthogonal -- its singular values land in [0.640, 1.2024]
   rather than at 1 (see ``theory_tests/common/test_newton_schulz.py`` for the derivation).
+
+``over_matrices`` states what a stack of matrices (MoE experts stored as one (E, A, B)
+parameter, issue 31) is to every matrix equation: its matrices, each on its own.
 """
 import numpy as np
 
@@ -51,3 +54,30 @@ def quintic(s, coefficients=NS_COEFFICIENTS):
     singular value (the basis of the bounds proved in the tests)."""
     a, b, c = coefficients
     return a * s + b * s**3 + c * s**5
+
+
+def over_matrices(fn, batch_dims, *stacks):
+    r"""A stack of matrices as its matrices: ``fn`` applied to each matrix on its own.
+
+    ``stacks`` share one shape (n_1, ..., n_k, A, B) whose ``batch_dims`` = k leading dims
+    index independent A x B matrices; k = 0 is one matrix, ``fn(*stacks)``.  Returns ``out``
+    with out[i] = fn(stacks[0][i], stacks[1][i], ...) for every index i of those k dims (a
+    tuple of such stacks where ``fn`` returns a tuple).  An explicit loop, so that the oracle
+    says it in so many words: the per-tensor clip (M3), Newton-Schulz's normalisation and
+    transpose (M13, M16) and the shape scales s = sqrt(max(1, A/B)) (M12) and
+    0.2 sqrt(max(A, B)) (M17) hold for each matrix of a stack exactly as for a 2-D parameter.
+    """
+    if batch_dims == 0:
+        return fn(*stacks)
+    batch = np.shape(stacks[0])[:batch_dims]
+    if not all(n > 0 for n in batch):
+        raise ValueError(f"over_matrices: an empty stack {np.shape(stacks[0])} has no matrix")
+    outs = single = None
+    for i in np.ndindex(*batch):
+        result = fn(*(np.asarray(s)[i] for s in stacks))
+        if outs is None:
+            single = not isinstance(result, tuple)
+            outs = [np.empty(batch + np.shape(r)) for r in ((result,) if single else result)]
+        for out, r in zip(outs, (result,) if single else result):
+            out[i] = r
+    return outs[0] if single else tuple(outs)

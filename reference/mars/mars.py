@@ -5,8 +5,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .mars_equations import (adamw_step, amsgrad_max, clip_global, clip_tensor, corrected_gradient,
-    lion_step, momentum, route, second_moment, shampoo_step, takes_mars_path)
+from .mars_equations import (adamw_step, amsgrad_max, clip_global, clip_matrices,
+    corrected_gradient, lion_step, matrix_batch_dims_of, momentum, route, second_moment,
+    shampoo_step, takes_mars_path)
+from ..common.matrix_functions import over_matrices
 
 
 @dataclass
@@ -29,6 +31,7 @@ class MARSConfig:
     orthogonalizer: str = "newton_schulz"
     ns_steps: int = 5
     weight_decay_1d_source: str = "constructor"
+    matrix_batch_dims: int = 0  # leading dims of a stack that index its matrices (issue 31)
 
 
 class MARSReference:
@@ -61,7 +64,8 @@ class MARSReference:
             if prev_grads is None:
                 raise ValueError("exact mode needs prev_grads = grad f(x_{t-1}, xi_t)")
             self.last_grad = [np.asarray(g, dtype=np.float64) for g in prev_grads]
-        on_mars = [takes_mars_path(p.shape, cfg.optimize_1d) for p in self.params]
+        on_mars = [takes_mars_path(p.shape[self._batch_dims(p):], cfg.optimize_1d)
+                   for p in self.params]
 
         corrected = [corrected_gradient(g, gp, cfg.gamma, b1) if mars else None
                      for g, gp, mars in zip(grads, self.last_grad, on_mars)]
@@ -78,8 +82,9 @@ class MARSReference:
 
     def _clip(self, corrected):
         scope = self.config.clip_scope
-        if scope == "tensor":
-            return [None if c is None else clip_tensor(c) for c in corrected]
+        if scope == "tensor":  # each matrix of a stack on its own
+            return [None if c is None else clip_matrices(c, self._batch_dims(c))
+                    for c in corrected]
         if scope == "global":
             live = [c for c in corrected if c is not None]
             clipped = iter(clip_global(live))
@@ -89,17 +94,23 @@ class MARSReference:
     def _mars_update(self, i, p, c):
         cfg, b1, b2 = self.config, *self.config.betas
         m = self.exp_avg[i] = momentum(self.exp_avg[i], c, b1)
-        kind = route(p.shape, cfg.mars_type, cfg.optimize_1d)
+        kind = route(p.shape, cfg.mars_type, cfg.optimize_1d, cfg.matrix_batch_dims)
         if kind == "lion":
             return lion_step(p, m, self.lr, cfg.weight_decay)
-        if kind == "shampoo":
-            return shampoo_step(p, m, self.lr, b1, cfg.eps, cfg.weight_decay, cfg.orthogonalizer,
-                                cfg.ns_steps)
+        if kind == "shampoo":  # (M12) on each matrix of a stack, with that matrix's s
+            return over_matrices(
+                lambda p_i, m_i: shampoo_step(p_i, m_i, self.lr, b1, cfg.eps, cfg.weight_decay,
+                                              cfg.orthogonalizer, cfg.ns_steps),
+                self._batch_dims(p), p, m)
         # mars-adamw, and the non-2-D tensors of mars-shampoo with optimize_1d
         v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], c, b2)
         if cfg.amsgrad:
             v = self.max_exp_avg_sq[i] = amsgrad_max(self.max_exp_avg_sq[i], v)
         return adamw_step(p, m, v, self.k, self.lr, b1, b2, cfg.eps, cfg.weight_decay)
+
+    def _batch_dims(self, x):
+        """The leading dims of ``x`` that index matrices (``matrix_batch_dims_of``)."""
+        return matrix_batch_dims_of(np.shape(x), self.config.matrix_batch_dims)
 
     def _fallback(self, i, p, g):
         r"""(M14)  AdamW on the raw g with betas_1d, lr r*lr and weight_decay_1d."""

@@ -3,11 +3,13 @@
 Symbols follow ``shared/spec/MARS.md``: g_t the stochastic gradient, c_t the corrected
 gradient, c~_t its clipped version, m/v the moments, k the step (from 1), a = gamma beta1/(1-beta1),
 s = sqrt(max(1, A/B)) for an A x B matrix.  ``reference.mars.mars.MARSReference`` strings the
-equations together in the official code's order.
+equations together in the official code's order.  A stack of matrices (``matrix_batch_dims``,
+issue 31) is its matrices: every matrix equation applies to each on its own
+(``reference.common.matrix_functions.over_matrices``).
 """
 import numpy as np
 
-from ..common.matrix_functions import newton_schulz, orthogonalize_svd
+from ..common.matrix_functions import newton_schulz, orthogonalize_svd, over_matrices
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
@@ -36,6 +38,13 @@ def clip_tensor(c):
     r"""(M3), official scope:  c~ = c / ||c||_F  if ||c||_F > 1,  else c  (one tensor)."""
     norm = np.linalg.norm(c)
     return c / norm if norm > 1.0 else c
+
+
+def clip_matrices(c, batch_dims):
+    r"""(M3), official scope, on a stack: each matrix of ``c`` (``batch_dims`` leading dims)
+    clipped on its own, c~_i = c_i / ||c_i||_F if ||c_i||_F > 1, as a 2-D parameter would be
+    (``batch_dims`` = 0: ``clip_tensor`` of the whole tensor)."""
+    return over_matrices(clip_tensor, batch_dims, c)
 
 
 def clip_global(cs):
@@ -129,8 +138,31 @@ def takes_mars_path(shape, optimize_1d):
     return len(shape) == 2 or optimize_1d
 
 
-def route(shape, mars_type, optimize_1d):
-    """The rule a tensor takes: "fallback" (M14), or "lion", "shampoo" (2-D) or "adamw"."""
+def matrix_batch_dims_of(shape, matrix_batch_dims):
+    r"""How many leading dims of a tensor of ``shape`` index independent matrices, in a group
+    that declares ``matrix_batch_dims`` = k (fused MoE experts: one (E, A, B) parameter):
+
+    * ndim = k + 2: k, a stack, each of whose A x B matrices takes the rule of a 2-D tensor
+      (k = 0: a matrix, as without the option);
+    * k = 0, or ndim < 2: 0, the tensor routes by its own shape, as without the option;
+    * anything else (k >= 1, ndim >= 2, ndim != k + 2): a ValueError naming
+      ``matrix_batch_dims``.  Nothing is guessed: a 3-D Conv1d kernel is not a stack of
+      matrices, and a 2-D tensor among stacks is a mistake in the grouping.
+    """
+    if len(shape) == matrix_batch_dims + 2:
+        return matrix_batch_dims
+    if matrix_batch_dims == 0 or len(shape) < 2:
+        return 0
+    raise ValueError(
+        f"matrix_batch_dims={matrix_batch_dims}: a tensor of ndim {matrix_batch_dims + 2} is a "
+        f"stack of matrices and one of ndim < 2 takes the non-matrix rule; got shape "
+        f"{tuple(shape)} (give it a parameter group with its own matrix_batch_dims)")
+
+
+def route(shape, mars_type, optimize_1d, matrix_batch_dims=0):
+    """The rule a tensor takes: "fallback" (M14), or "lion", "shampoo" (2-D) or "adamw".
+    A stack of matrices (``matrix_batch_dims_of``) takes the rule of one of its matrices."""
+    shape = tuple(shape)[matrix_batch_dims_of(shape, matrix_batch_dims):]
     if not takes_mars_path(shape, optimize_1d):
         return "fallback"
     if mars_type == "mars-lion":

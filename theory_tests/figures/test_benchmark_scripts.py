@@ -8,6 +8,7 @@ import torch
 from figures.bench import optimizer_step as bench
 from figures.bench import capture_cost as bench_capture_cost
 from figures.bench import factor_update as bench_factor_update
+from figures.bench import moe_mars_m as bench_moe_mars_m
 
 
 def test_factor_update_benchmark_runs_and_reports_slopes(capsys):
@@ -65,3 +66,13 @@ def test_capture_cost_benchmark_times_every_contender():
     """Every (model, mask, optimizer, self_check) contender ran and was timed."""
     times = bench_capture_cost.main(["--repeats", "1", "--steps", "1", "--mlp-width", "32"])
     assert len(times) == 12 and all(len(ts) == 1 and ts[0] > 0 for ts in times.values())
+
+
+def test_moe_mars_m_benchmark_times_stacked_and_separate_experts(capsys):
+    """Every optimizer timed on the stacks and on the separate matrices (tiny sizes)."""
+    report = bench_moe_mars_m.main(["--experts", "2", "--rows", "3", "--cols", "5",
+                                    "--repeats", "1"])
+    assert set(report["stacked_over_separate"]) == set(bench_moe_mars_m.OPTIMIZERS)
+    assert len(report["step_seconds"]) == 2 * len(bench_moe_mars_m.OPTIMIZERS)
+    assert all(t > 0 for t in report["step_seconds"].values())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report

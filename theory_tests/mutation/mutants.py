@@ -13,6 +13,8 @@ from .mutants_issue30 import ISSUE30_MUTANTS
 from .mutants_newcomer import NEWCOMER_MUTANTS
 from .mutants_low_precision import LOW_PRECISION_MUTANTS
 from .mutants_figures_repro import FIGURES_REPRO_MUTANTS
+from .mutants_experts import EXPERTS_MUTANTS
+from .mutants_matrix_batch import MATRIX_BATCH_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -433,9 +435,9 @@ MUTANTS = {
         Mutant(T_DIST, "                a_bar = a_sum / rows.clamp(min=1)\n", "                a_bar = a_sum / world\n"),
         Mutant(T_DIST, "        divide = world * world if self.average == \"double\" else world",
                "        divide = world * world if self.average == \"double\" else 1"),
-        Mutant(T_K, "            A = A_sum / rows.clamp(min=1)", "            A = A_sum / world"),
-        Mutant(T_K, "            G = S_sum * samples / world / world / scale / scale",
-               "            G = S_sum * samples / world / scale / scale"),
+        Mutant(T_K, "                A = A_sum / _per_matrix(rows.clamp(min=1))", "                A = A_sum / world"),
+        Mutant(T_K, "                G = S_sum * _per_matrix(samples) / world / world / scale / scale",
+               "                G = S_sum * _per_matrix(samples) / world / scale / scale"),
         Mutant(T_P, "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
                "                    out.append((layer, None, None, False))",
                "                else:  # only calls with 0 rows (an MoE expert routed no tokens)\n"
@@ -450,8 +452,8 @@ MUTANTS = {
         Mutant(T_KC, "        ours_kl = kl_clip * lr_0 ** 2 / (c * lr_kp ** 2)",
                "        ours_kl = kl_clip * lr_0 / (c * lr_kp)"),
         Mutant(T_KC, "            settings = {\"lr\": group[\"lr\"] * c}", "            settings = {\"lr\": group[\"lr\"]}"),
-        Mutant(T_K, "                    blends[key] = torch.where(first & (self.factor_init == \"batch\"), new,",
-               "                    blends[key] = torch.where(first, new,"),
+        Mutant(T_K, "                    blends[key] = torch.where(_per_matrix(first & (self.factor_init == \"batch\")),",
+               "                    blends[key] = torch.where(_per_matrix(first),"),
     ],
     "PORT-KFAC-ACCUM": [
         Mutant(R_K, "    g = samples * g\n", "    g = g\n", tests=("theory_tests/baselines/test_kfac_reference.py",)),
@@ -461,7 +463,7 @@ MUTANTS = {
                also=((T_KE, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])",
                       "    samples = n / n"),)),
         Mutant(T_KE, "    samples = n / layer.type.rows_per_sample(rows.shape[:-1])", "    samples = n"),
-        Mutant(T_K, "                s[key] = torch.where(ok, blended, s[key])", "                s[key] = blended"),
+        Mutant(T_K, "                s[key] = torch.where(_per_matrix(ok), blended, s[key])", "                s[key] = blended"),
     ],
     "PORT-FSDP2": [
         # the rank's rows never written back: FSDP2 steps the raw gradient
@@ -526,7 +528,8 @@ MUTANTS = {
 # The MARS family's mutants live in their own file (one list per optimizer family).
 # A row both families prove (PORT-DCP) takes the mutants of both lists.
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS,
-                LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS):
+                LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS, EXPERTS_MUTANTS,
+                MATRIX_BATCH_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

@@ -19,7 +19,7 @@ ISSUE30_MUTANTS = {
         # an unknown kind let through (it then fails, or takes another route's rule)
         Mutant(T_CHK, "        if kind not in needs:", "        if False:"),
         Mutant(T_CHK, "            if t.shape != shape:", "            if False:"),
-        Mutant(T_CHK, "        if kind in matrices and len(shape) != 2:", "        if False:"),
+        Mutant(T_CHK, "        if kind in matrices and len(shape) != matrix_ndim:", "        if False:"),
         Mutant(T_CHK, "        if not (torch.is_tensor(k) and k.numel() == 1 and not k.is_cuda):",
                "        if not torch.is_tensor(k):"),
         # amsgrad's buffer not required

@@ -211,13 +211,13 @@ MARS_MUTANTS = {
     # ---------------------------------------------------------------- (M15)-(M18): MARS-M
     "M15": [
         Mutant(R_MM_EQ, "    return momentum(m, clip_tensor(c) if clip else c, beta)", "    return momentum(m, c, beta)"),
-        Mutant(R_MM, "                                                  cfg.momentum, cfg.clip_c)",
-               "                                                  cfg.momentum, True)"),
-        Mutant(T_MF, "        F.clip_tensor_(c, ops.norm(c), ops)", "        F.clip_tensor_(c, ops.norm(g), ops)"),
+        Mutant(R_MM, "            m = buf = mars_m_momentum(buf, g, g_prev, cfg.gamma, cfg.momentum, cfg.clip_c)",
+               "            m = buf = mars_m_momentum(buf, g, g_prev, cfg.gamma, cfg.momentum, True)"),
+        Mutant(T_MF, "        F.clip_matrices_(c, dims, ops)", "        F.clip_tensor_(c, ops.norm(g), ops)"),
         Mutant(T_MF, '    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=momentum,',
                '    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=1 - momentum,'),
-        Mutant(T_FN, "        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)",
-               "        args = mars_m_momentum_(bufs, gs, lasts, h, False, FOREACH)"),
+        Mutant(T_FN, "        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH, matrix_batch_dims)",
+               "        args = mars_m_momentum_(bufs, gs, lasts, h, False, FOREACH, matrix_batch_dims)"),
         Mutant(T_MC, '        m = M.mars_m_momentum_(buf, g, last, h, clip, COMPILED)',
                '        m = M.mars_m_momentum_(buf, g, last, h._replace(gamma=h.beta1), clip, COMPILED)', tests=COMPILED_MARS_M),
     ],

@@ -22,8 +22,8 @@ MARS_PROPERTY_MUTANTS = {
         Mutant(R_MARS, "        cfg, (b1, b2) = self.config, self.config.betas_1d",
                "        cfg, (b1, b2) = self.config, self.config.betas"),
         # the optimizer routes as if optimize_1d were always on
-        Mutant(T_MARS, '            kind = F.route(p.shape, group["mars_type"], group["optimize_1d"])',
-               '            kind = F.route(p.shape, group["mars_type"], True)'),
+        Mutant(T_MARS, '    return F.route(p.shape, group["mars_type"], group["optimize_1d"], group["matrix_batch_dims"])',
+               '    return F.route(p.shape, group["mars_type"], True, group["matrix_batch_dims"])'),
         Mutant(T_F, "        beta1, beta2 = (_number(b) for b in betas_1d)", "        beta1, beta2 = (_number(b) for b in betas)"),
         Mutant(T_F, '                     beta1=beta1, beta2=beta2, eps=eps)',
                '                     beta1=beta1, beta2=beta2, eps=1e-8)'),
@@ -234,8 +234,8 @@ MARS_PROPERTY_MUTANTS = {
     ],
     "MARS-authors-exact-API": [
         Mutant(R_MARS, "        if not cfg.is_approx and self.k > 1:", "        if not cfg.is_approx and self.k > 0:"),
-        Mutant(T_MARS, "            p.shape, group[\"mars_type\"], group[\"optimize_1d\"]) != F.FALLBACK)",
-               "            p.shape, group[\"mars_type\"], group[\"optimize_1d\"]) == F.FALLBACK)"),
+        Mutant(T_MARS, "        keeps_last_grad = (lambda p, group: _route(p, group) != F.FALLBACK)",
+               "        keeps_last_grad = (lambda p, group: _route(p, group) == F.FALLBACK)"),
         Mutant(T_EX, '    return any("previous_grad" in st for st in opt.state.values())',
                '    return all("previous_grad" in st for st in opt.state.values())'),
         Mutant(T_EX, "        if group[\"is_approx\"]:\n            continue\n        for p in group[\"params\"]:\n            if not keeps_last_grad(p, group):",

@@ -75,6 +75,23 @@ from .kfac_equations import (decompose, grad_stat, input_stat, per_sample,
 __all__ = ["KFAC"]
 
 
+def _stack(layer):
+    """() for one layer, (E,) for a stack of E experts (``layer.experts``)."""
+    return () if layer.experts is None else (layer.experts,)
+
+
+def _per_matrix(x):
+    """A per-expert number ((E,)) against the stack's (E, d, d) factors; 0-d as it is."""
+    return x[..., None, None] if isinstance(x, torch.Tensor) and x.dim() else x
+
+
+def _all_finite(F, layer):
+    """Whether F is finite: one flag, or one per expert of a stack."""
+    if layer.experts is None or F.dim() < 3:
+        return torch.isfinite(F).all()
+    return torch.isfinite(F).flatten(-2).all(dim=-1)
+
+
 def _to_device(value, device, dtype):
     """A copy of a saved state entry on ``device``; floating tensors in the factor dtype."""
     if isinstance(value, tuple):
@@ -190,34 +207,36 @@ class KFAC(PreconditionedOptimizer):
             layers = groups[dst]
             if not layers:
                 continue
+            # a stack of experts sends its (E,) row counts as one more tensor
             packet = Packet(
-                [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if per_sample(l) else [])
-                 for l in layers],
-                [l.has_bias and not l.identity_R for l in layers], self._dtype, sums=True)
+                [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if per_sample(l) else []) +
+                 ([(l.experts,)] if l.experts is not None else []) for l in layers],
+                [l.has_bias and not l.identity_R and l.experts is None for l in layers],
+                self._dtype, sums=True)
             routes.append((dst, layers, packet))
         return routes
 
     @staticmethod
     def _a_shape(layer):
-        return (0,) if layer.identity_R else (layer.d_in, layer.d_in)
+        return (0,) if layer.identity_R else (*_stack(layer), layer.d_in, layer.d_in)
 
     @staticmethod
     def _g_shape(layer):
-        return (0,) if layer.identity_L else (layer.d_out, layer.d_out)
+        return (0,) if layer.identity_L else (*_stack(layer), layer.d_out, layer.d_out)
 
     def _initial_state(self, layer):
         if not owns(self._owners, layer.name):  # another rank keeps it (DCP: one copy)
             return {}
         dev = layer.module.weight.device
-        state = {"updates": torch.zeros((), dtype=torch.int64, device=dev),
-                 "non_finite": torch.zeros((), dtype=torch.int64, device=dev),
-                 "overflow": torch.zeros((), dtype=torch.int64, device=dev),
-                 "no_rows": torch.zeros((), dtype=torch.int64, device=dev)}
+        stack = _stack(layer)  # a stack of experts: one counter and factor per expert
+        state = {k: torch.zeros(stack, dtype=torch.int64, device=dev)
+                 for k in ("updates", "non_finite", "overflow", "no_rows")}
         s_A, s_G = self.factor_init_scale
         for key, side, d, scale in (("A", layer.identity_R, layer.d_in, s_A),
                                     ("G", layer.identity_L, layer.d_out, s_G)):
             if not side:  # "batch": I until the first accepted update replaces it
-                state[key] = scale * torch.eye(d, dtype=self._dtype, device=dev)
+                eye = scale * torch.eye(d, dtype=self._dtype, device=dev)
+                state[key] = eye if not stack else eye.expand(*stack, d, d).clone()
         return state
 
     @property
@@ -230,7 +249,7 @@ class KFAC(PreconditionedOptimizer):
     def skipped_updates(self):
         """Factor updates refused for non-finite statistics or an overflowing EMA (a
         tensor); layers without rows are counted apart, in ``counters()``."""
-        counts = [s["non_finite"] + s["overflow"] for s in self._state.values() if s]
+        counts = [(s["non_finite"] + s["overflow"]).sum() for s in self._state.values() if s]
         return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64))
 
     def counters(self):
@@ -248,7 +267,7 @@ class KFAC(PreconditionedOptimizer):
         """{name: (A, G)} of the current factor EMAs (None for an identity side), for the
         layers that have had an update and whose factors this rank keeps."""
         return {n: (s.get("A"), s.get("G")) for n, s in self._state.items()
-                if s and ("decomposed" in s or int(s["updates"]) > 0)}
+                if s and ("decomposed" in s or bool((s["updates"] > 0).any()))}
 
     def _drop_statistics(self, completed_only=False):
         if completed_only:
@@ -306,6 +325,8 @@ class KFAC(PreconditionedOptimizer):
                     continue
                 present = rows > 0 if isinstance(rows, torch.Tensor) else None
                 rows = rows.clamp(min=1) if isinstance(rows, torch.Tensor) else rows
+                if layer.experts is not None:  # per expert: (E,) counts against (E, d, d)
+                    rows, samples = _per_matrix(rows), _per_matrix(samples)
                 # s_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
                 # number divided by it would round the factor N / s^2 to float32
                 out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
@@ -321,6 +342,9 @@ class KFAC(PreconditionedOptimizer):
                 a_sum, rows, s_sum, samples = mine[layer.name]
                 extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if per_sample(
                     layer) else []
+                if layer.experts is not None:
+                    extra.append(rows)  # the (E,) counts: each expert's own
+                    rows = 0
                 items.append([a_sum, s_sum] + extra)
                 counts.append(rows)
             device = self._layers[0].module.weight.device
@@ -332,12 +356,14 @@ class KFAC(PreconditionedOptimizer):
                 continue  # the owner alone holds these sums, and these factors
             for layer, (sums, rows) in zip(layers, reduction.wait(packet.dtype)):
                 A_sum, S_sum = sums[0], sums[1]
+                if layer.experts is not None:
+                    rows = sums[-1]
                 samples = sums[2][0] if per_sample(layer) else rows
                 dev = layer.module.weight.device
-                A = A_sum / rows.clamp(min=1)
+                A = A_sum / _per_matrix(rows.clamp(min=1))
                 # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
                 # each rank's g_i being its mean loss's gradient and DDP averaging over P ranks
-                G = S_sum * samples / world / world / scale / scale
+                G = S_sum * _per_matrix(samples) / world / world / scale / scale
                 out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
         return out
 
@@ -348,21 +374,21 @@ class KFAC(PreconditionedOptimizer):
             if present is False:
                 s["no_rows"] = s["no_rows"] + 1
                 continue
-            finite = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+            finite = _all_finite(A_new, layer) & _all_finite(G_new, layer)
             ok = finite
             first = s["updates"] == 0
             blends = {}
             for key, new in (("A", A_new), ("G", G_new)):
                 if key in s:  # "batch": the first accepted update takes the batch factor
-                    blends[key] = torch.where(first & (self.factor_init == "batch"), new,
-                                              beta * s[key] + (1 - beta) * new)
-                    ok = ok & torch.isfinite(blends[key]).all()
+                    blends[key] = torch.where(_per_matrix(first & (self.factor_init == "batch")),
+                                              new, beta * s[key] + (1 - beta) * new)
+                    ok = ok & _all_finite(blends[key], layer)
             overflow = finite & ~ok  # finite statistics, non-finite EMA
             if present is not None:  # a 0-d bool: whether any rank had rows
                 s["no_rows"] = s["no_rows"] + (~present).long()
                 finite, overflow, ok = finite | ~present, overflow & present, ok & present
             for key, blended in blends.items():
-                s[key] = torch.where(ok, blended, s[key])
+                s[key] = torch.where(_per_matrix(ok), blended, s[key])
             s["updates"] = s["updates"] + ok.long()
             s["non_finite"] = s["non_finite"] + (~finite).long()
             s["overflow"] = s["overflow"] + overflow.long()
@@ -389,8 +415,9 @@ class KFAC(PreconditionedOptimizer):
         """G_hat = [grad W | grad b] in the factor dtype (a bias without a gradient: 0)."""
         G_hat = grads.matrix(layer).to(self._dtype)
         if layer.has_bias:
-            gb = grads.bias if grads.bias is not None else G_hat.new_zeros(layer.d_out)
-            G_hat = torch.cat([G_hat, gb.reshape(-1, 1).to(self._dtype)], dim=1)
+            gb = (grads.bias if grads.bias is not None
+                  else G_hat.new_zeros(*_stack(layer), layer.d_out))
+            G_hat = torch.cat([G_hat, gb.unsqueeze(-1).to(self._dtype)], dim=-1)
         return G_hat
 
     def _kl_clip_factor(self, work):
@@ -422,11 +449,11 @@ class KFAC(PreconditionedOptimizer):
         d = layer.d_in - layer.has_bias
         matrix = grads.matrix(layer)
         if grads.sharded:
-            matrix.copy_(V[:, :d])
+            matrix.copy_(V[..., :d])
         else:
-            layer.type.set_grad_matrix(layer.module, V[:, :d].to(matrix.dtype))
+            layer.type.set_grad_matrix(layer.module, V[..., :d].to(matrix.dtype))
         if layer.has_bias and grads.bias is not None:
-            grads.bias.copy_(V[:, -1])
+            grads.bias.copy_(V[..., -1])
 
     @torch.no_grad()
     def precondition(self):

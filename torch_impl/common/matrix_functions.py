@@ -1,11 +1,13 @@
 """Orthogonalizers for MARS-Shampoo, in PyTorch (M11, M13); mirrors reference/common/matrix_functions.py.
 
 Both accept a matrix or a batch of same-shape matrices (..., A, B), so that equal-shape
-parameters can share one batched call.
+parameters can share one batched call, and a stack of matrices (fused MoE experts, one
+(E, A, B) parameter; ``matrix_batch_dims``, issue 31) is orthogonalised matrix by matrix: the
+normalisation, the transpose of tall matrices and the iteration are each matrix's own.
 """
 import torch
 
-from .sharding import is_dtensor, on_full_matrix
+from .sharding import is_dtensor, on_matrices
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -25,10 +27,15 @@ def newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_CO
     ``cast_first=True`` is the MARS-M authors' order instead: round M to ``dtype``, transpose,
     then normalise in ``dtype``; the result is then returned in ``dtype`` (they add the bf16
     matrix to the parameter).
-    A sharded M (DTensor, e.g. under FSDP2) is orthogonalised as a whole matrix.
+    A batch (..., A, B) is a stack of independent matrices: each is normalised by its own
+    Frobenius norm.  A sharded M (DTensor, e.g. under FSDP2) is orthogonalised as whole
+    matrices (``sharding.on_matrices``: on each rank's shard where it holds whole matrices).
     """
     if is_dtensor(M):
-        return on_full_matrix(newton_schulz, M, steps, eps, dtype, coefficients, cast_first)
+        return on_matrices(newton_schulz, M, steps, eps, dtype, coefficients, cast_first)
+    if M.dim() > 3:  # baddbmm takes one batch dim
+        return over_matrices(newton_schulz, M.dim() - 2, M, steps, eps, dtype, coefficients,
+                             cast_first)
     a, b, c = coefficients
     tall = M.size(-2) > M.size(-1)
     if cast_first:
@@ -51,12 +58,26 @@ def orthogonalize_svd(M):
     r"""Polar factor :math:`U\,\mathrm{diag}(1[s_i > \tau])\,V^\top` of :math:`M = U\,\mathrm{diag}(s)\,V^\top`
     (M11), with the matrix-rank tolerance :math:`\tau = \max(s)\max(A,B)\,\epsilon_{dtype}`;
     zero maps to zero.  No host synchronisation: the rank test is a mask, not a branch.
-    A sharded M (DTensor, e.g. under FSDP2) is orthogonalised as a whole matrix.
+    A batch (..., A, B) is a stack of independent matrices (each its own tolerance); a sharded
+    M (DTensor, e.g. under FSDP2) is orthogonalised as whole matrices (``sharding.on_matrices``).
     """
     if is_dtensor(M):
-        return on_full_matrix(orthogonalize_svd, M)
+        return on_matrices(orthogonalize_svd, M)
     if M.numel() == 0:  # an empty matrix is its own polar factor (and has no max singular value)
         return M.clone()
     U, s, Vh = torch.linalg.svd(M, full_matrices=False)
     tol = s.amax(dim=-1, keepdim=True) * max(M.shape[-2:]) * torch.finfo(M.dtype).eps
     return (U * (s > tol).unsqueeze(-2).to(U.dtype)) @ Vh
+
+
+def over_matrices(fn, batch_dims, M, *args):
+    r"""``fn`` of each matrix of a stack M (``batch_dims`` leading dims, then A x B), for a
+    batched ``fn`` that maps (n, A, B) to (n, A', B'): the leading dims are flattened into one,
+    ``fn`` runs once on all the matrices, and the result gets them back.  The twin of the
+    oracle's explicit loop (``reference.common.matrix_functions.over_matrices``): a batched
+    ``fn`` treats each matrix on its own, so the two say the same."""
+    if batch_dims == 0:
+        return fn(M, *args)
+    batch = M.shape[:batch_dims]
+    out = fn(M.reshape(-1, *M.shape[batch_dims:]), *args)
+    return out.reshape(*batch, *out.shape[1:])

@@ -25,6 +25,12 @@ its shard of every result. Per step a rank runs about 1/P of the flops and holds
 full matrices it owns; the bytes a rank receives fall from (P-1)/P of all matrices to about
 2(P-1)/P^2 of them (equal at P = 2, half at P = 4; :func:`exchange_bytes`).
 
+A stack of matrices (..., A, B) sharded only on its leading dims (FSDP2's ``Shard(0)`` of
+fused MoE experts: every rank holds whole experts; ``matrix_batch_dims``, issue 31) needs
+neither: f acts on each matrix on its own, so f of the stack is f of each rank's shard
+(:func:`on_local_matrices`), with no communication. :func:`on_matrices` picks that where it
+applies and the all-gather elsewhere.
+
 Both give the same numbers: f sees the same full matrix (the owner concatenates the same
 shards the all-gather would). Owner mode applies to a 2-D DTensor on a 1-D mesh with one
 ``Shard`` placement (FSDP2's ``Shard(0)``, or a column shard); anything else (replicated,
@@ -42,7 +48,8 @@ import sys
 
 import torch
 
-__all__ = ["ORTHOGONALIZE_ON", "is_dtensor", "on_full_matrix", "owner_eligible",
+__all__ = ["ORTHOGONALIZE_ON", "is_dtensor", "on_full_matrix", "holds_whole_matrices",
+           "on_local_matrices", "on_matrices", "owner_eligible",
            "orthogonalize_on_owners", "assign_owners", "ns_flops", "shard_sizes",
            "exchange_bytes", "record_orthogonalisation", "OrthogonalisationRecord"]
 
@@ -65,6 +72,44 @@ def on_full_matrix(fn, M, *args, **kwargs):
     full = fn(M.full_tensor(), *args, **kwargs)
     # src_data_rank=None: every rank already holds the same full result; just slice it.
     return distribute_tensor(full, M.device_mesh, M.placements, src_data_rank=None)
+
+
+def holds_whole_matrices(M):
+    """Whether every shard of the DTensor stack ``M`` (..., A, B) holds whole matrices: each
+    placement replicates, or shards (plain ``Shard``) one of the leading dims, never A or B."""
+    from torch.distributed.tensor import Replicate, Shard
+    return M.ndim > 2 and all(
+        isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim % M.ndim < M.ndim - 2)
+        for pl in M.placements)
+
+
+def on_local_matrices(fn, M, *args, **kwargs):
+    """``fn(M, ...)`` for a DTensor stack whose shards hold whole matrices
+    (:func:`holds_whole_matrices`) and a ``fn`` that acts on each matrix on its own: ``fn`` of
+    the local shard, returned with ``M``'s mesh, placements and shape. No communication."""
+    from torch.distributed.tensor import DTensor
+    out = fn(M.to_local(), *args, **kwargs)
+    for record in _RECORDS:
+        record.computed.append(tuple(out.shape))
+    return DTensor.from_local(out, M.device_mesh, M.placements, run_check=False,
+                              shape=M.shape, stride=_contiguous_stride(M.shape))
+
+
+def on_matrices(fn, M, *args, **kwargs):
+    """``fn(M, ...)`` for a DTensor ``M`` (batched (..., A, B) allowed) and a per-matrix
+    ``fn``: on the local shards where they hold whole matrices (:func:`on_local_matrices`),
+    else on the all-gathered matrix (:func:`on_full_matrix`)."""
+    if holds_whole_matrices(M):
+        return on_local_matrices(fn, M, *args, **kwargs)
+    return on_full_matrix(fn, M, *args, **kwargs)
+
+
+def _contiguous_stride(shape):
+    stride, step = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 # ------------------------------------------------------------------ the owner map

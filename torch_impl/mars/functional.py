@@ -12,6 +12,13 @@ Newton-Schulz / SVD of a call once, on an owner rank, all of them in one exchang
 every rank and runs every orthogonalisation everywhere (``sharding.on_full_matrix``). Both
 give the same numbers; plain tensors are unaffected. The compiled MARS-M kernels
 (``compiled=True``) fuse Newton-Schulz into each matrix's kernel and keep ``"every_rank"``.
+A stack of matrices sharded on its leading dims only (FSDP2's ``Shard(0)`` of fused experts)
+is orthogonalised on each rank's own whole matrices in either mode, with no communication
+(``sharding.on_local_matrices``).
+
+``matrix_batch_dims`` = k (both functions; issue 31): a tensor of ndim k + 2 is a stack of
+matrices whose k leading dims index them; each is clipped, scaled by its own shape and
+orthogonalised as a 2-D parameter would be (``mars_equations.matrix_batch_dims_of``).
 """
 import functools
 
@@ -26,7 +33,7 @@ from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
                                 resolve_hyperparameters)
 from ..common.sharding import ORTHOGONALIZE_ON, orthogonalize_on_owners, owner_eligible
 from ..common.tensor_ops import FOREACH, SINGLE
-from ..common.validation import check_choice
+from ..common.validation import check_choice, check_int
 from .functional_checks import check_lists
 
 __all__ = ["mars", "mars_m", "corrected_norms", "default_foreach"]
@@ -51,7 +58,8 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
          weight_decay_1d, weight_decay_1d_source="constructor", clip_scope="tensor",
          orthogonalizer="newton_schulz", ns_steps=5, ns_dtype=torch.bfloat16,
          shampoo_scales=None, maximize=False, foreach=None, compiled=False,
-         write_last_grad=True, global_clip_norm=None, orthogonalize_on="owner"):
+         write_last_grad=True, global_clip_norm=None, orthogonalize_on="owner",
+         matrix_batch_dims=0):
     r"""One MARS step (M1-M14) over parallel lists; see ``torch_impl.MARS`` for the algorithm.
 
     ``kinds[i]`` is ``mars_equations.route(...)`` of tensor i (``"adamw"``, ``"lion"``,
@@ -65,8 +73,11 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     here).  ``shampoo_scales[i]`` overrides s for a Shampoo matrix (``None``: from its shape).
     ``orthogonalize_on``: ``"owner"`` or ``"every_rank"``, where a sharded (DTensor) Shampoo
     matrix is orthogonalised (module docstring); a collective for sharded matrices.
+    ``matrix_batch_dims``: a Shampoo tensor then has ndim ``matrix_batch_dims`` + 2, and every
+    tensor of that ndim on a MARS route is a stack of matrices (module docstring).
     """
     check_choice("orthogonalize_on", orthogonalize_on, ORTHOGONALIZE_ON)
+    check_int("matrix_batch_dims", matrix_batch_dims, low=0)
     moments = ("grads", "exp_avgs", "exp_avg_sqs")
     check_lists("mars", params, dict(grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                                      max_exp_avg_sqs=max_exp_avg_sqs, last_grads=last_grads,
@@ -76,9 +87,11 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
                         F.LION: ("grads", "exp_avgs", "last_grads"),
                         F.SHAMPOO: ("grads", "exp_avgs", "last_grads"), F.FALLBACK: moments},
                 matrices=(F.SHAMPOO,), optional=("shampoo_scales",) + (
-                    () if amsgrad else ("max_exp_avg_sqs",)))
+                    () if amsgrad else ("max_exp_avg_sqs",)),
+                matrix_ndim=matrix_batch_dims + 2)
     if not params:
         return
+    dims = [F.matrix_batch_dims_of(p.shape, matrix_batch_dims) for p in params]  # before any write
     hypers = {kind: F.resolve_hyperparameters(
                   kind, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
                   lr_1d_factor=lr_1d_factor, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
@@ -101,8 +114,10 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
         fused = [i for i, k in enumerate(kinds) if k != F.SHAMPOO]
         mars_compiled.update([_take(b, fused) for b in buffers], [state_steps[i] for i in fused],
                              [kinds[i] for i in fused], hypers, clip_scope, global_clip_norm,
-                             write_last_grad, grouped=compiled == "group")
+                             write_last_grad, grouped=compiled == "group",
+                             batch_dims=_take(dims, fused))
         buffers, kinds = [_take(b, eager) for b in buffers], [kinds[i] for i in eager]
+        dims = _take(dims, eager)
         state_steps, shampoo_scales = _take(state_steps, eager), _take(shampoo_scales, eager)
         foreach = False
     if foreach is None:
@@ -110,7 +125,7 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     run = _multi_tensor_mars if foreach else _single_tensor_mars
     deferred = [] if orthogonalize_on == "owner" else None
     run(buffers, state_steps, kinds, hypers, clip_scope, global_clip_norm, write_last_grad,
-        shampoo, shampoo_scales, deferred)
+        shampoo, shampoo_scales, deferred, dims)
     if deferred:
         _owner_shampoo_steps_(deferred, shampoo)
 
@@ -120,16 +135,19 @@ def _take(xs, idx):
 
 
 def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo,
-                        scales, deferred=None):
-    """The loop: each tensor's whole chain before the next (one temporary alive at a time)."""
-    for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
+                        scales, deferred=None, dims=None):
+    """The loop: each tensor's whole chain before the next (one temporary alive at a time).
+    ``dims[i]``: the leading dims of tensor i that index matrices (0: not a stack)."""
+    dims = [0] * len(kinds) if dims is None else dims
+    for (p, g, m, v, v_max, last), k, kind, scale, stack in zip(zip(*buffers), steps, kinds,
+                                                                 scales, dims):
         h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
         if kind == F.FALLBACK:  # (M14) on the raw gradient
             F.adamw_rule_(p, g, m, v, None, h, SINGLE)
             continue
         c = F.corrected_gradient_(last, g, h.gamma, h.beta1, SINGLE)
-        if scope == "tensor":
-            F.clip_tensor_(c, SINGLE.norm(c), SINGLE)
+        if scope == "tensor":  # each matrix of a stack on its own
+            F.clip_matrices_(c, stack, SINGLE)
         elif scope == "global":
             SINGLE.divide_by_clamped_(c, total)
         if kind == F.LION:
@@ -144,9 +162,10 @@ def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last,
 
 
 def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo, scales,
-                       deferred=None):
+                       deferred=None, dims=None):
     """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
     dtype) bucket."""
+    dims = [0] * len(kinds) if dims is None else dims
     buckets = {}
     for i, (p, kind) in enumerate(zip(buffers[0], kinds)):
         buckets.setdefault((kind, p.device, p.dtype), []).append(i)
@@ -157,8 +176,8 @@ def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, 
             F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)
             continue
         cs = F.corrected_gradient_(lasts, gs, h.gamma, h.beta1, FOREACH)
-        if scope == "tensor":
-            F.clip_tensor_(cs, FOREACH.norm(cs), FOREACH)
+        if scope == "tensor":  # each matrix of a stack on its own
+            F.clip_matrices_(cs, _take(dims, idx), FOREACH)
         elif scope == "global":
             FOREACH.divide_by_clamped_(cs, [total] * len(cs))
         if kind == F.LION:
@@ -198,7 +217,7 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
            kinds, *, lr, weight_decay, momentum, gamma, ns_steps=5, ns_dtype=torch.bfloat16,
            clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
            maximize=False, foreach=None, compiled=False, write_last_grad=True,
-           orthogonalize_on="owner"):
+           orthogonalize_on="owner", matrix_batch_dims=0):
     r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
 
     ``kinds[i]``: "mars_m", "mars_m_efficient" or "adamw".  Buffers that a kind does not keep
@@ -207,8 +226,12 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
     ``torch.compile``d call per tensor (``mars_m_compiled``), the same equations.
     ``orthogonalize_on``: ``"owner"`` or ``"every_rank"``, where a sharded (DTensor) matrix's
     Newton-Schulz runs (module docstring); a collective for sharded matrices.
+    ``matrix_batch_dims``: every matrix tensor has ndim ``matrix_batch_dims`` + 2, a stack
+    whose matrices are each clipped, scaled by 0.2 sqrt(max(A, B)) of its own (A, B) and
+    orthogonalised on its own.
     """
     check_choice("orthogonalize_on", orthogonalize_on, ORTHOGONALIZE_ON)
+    check_int("matrix_batch_dims", matrix_batch_dims, low=0)
     check_lists("mars_m", params, dict(grads=grads, momentum_buffers=momentum_buffers,
                                        last_grads=last_grads, exp_avgs=exp_avgs,
                                        exp_avg_sqs=exp_avg_sqs, state_steps=state_steps,
@@ -216,7 +239,8 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
                 kinds, {MATRIX: ("grads", "momentum_buffers", "last_grads"),
                         EFFICIENT: ("grads", "momentum_buffers"),
                         BACKUP: ("grads", "exp_avgs", "exp_avg_sqs")},
-                matrices=(MATRIX, EFFICIENT), optional=("shape_scales",))
+                matrices=(MATRIX, EFFICIENT), optional=("shape_scales",),
+                matrix_ndim=matrix_batch_dims + 2)
     if not params:
         return
     hypers = {kind: resolve_hyperparameters(kind, lr=lr, weight_decay=weight_decay,
@@ -235,7 +259,8 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
     columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
                        state_steps, kinds, shape_scales))
     if compiled:
-        mars_m_compiled.update(columns, hypers, clip_c, ns_steps, ns_dtype, write_last_grad)
+        mars_m_compiled.update(columns, hypers, clip_c, ns_steps, ns_dtype, write_last_grad,
+                               matrix_batch_dims)
         return
     for kind in (MATRIX, EFFICIENT, BACKUP):
         rows = [r for r in columns if r[7] == kind]
@@ -245,11 +270,11 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
             _mars_m_backup(rows, hypers[kind], foreach)
         else:
             _mars_m_matrices(rows, hypers[kind], kind, clip_c, ns_steps, ns_dtype, foreach,
-                             write_last_grad, orthogonalize_on)
+                             write_last_grad, orthogonalize_on, matrix_batch_dims)
 
 
 def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_last,
-                     orthogonalize_on="owner"):
+                     orthogonalize_on="owner", matrix_batch_dims=0):
     ps, gs, bufs, lasts = ([r[i] for r in rows] for i in range(4))
     if kind == EFFICIENT:
         if foreach:
@@ -259,16 +284,17 @@ def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_las
                 efficient_buffer_(b, g, h.gamma, h.beta1, SINGLE)
         args = [efficient_argument(b, g, h.gamma, h.beta1) for b, g in zip(bufs, gs)]
     elif foreach:
-        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH)
+        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH, matrix_batch_dims)
     else:
-        args = [mars_m_momentum_(b, g, last, h, clip, SINGLE) for b, g, last in zip(bufs, gs, lasts)]
+        args = [mars_m_momentum_(b, g, last, h, clip, SINGLE, matrix_batch_dims)
+                for b, g, last in zip(bufs, gs, lasts)]
     live = [(p, m, r) for p, m, r in zip(ps, args, rows) if p.numel()]
     owned = [None] * len(live)
     if orthogonalize_on == "owner":  # sharded matrices: each NS once, on its owner rank
         direction = functools.partial(mars_m_direction, ns_steps=ns_steps, ns_dtype=ns_dtype)
         owned = orthogonalize_on_owners(direction, [m for _, m, _ in live], out_dtype=ns_dtype)
     for (p, m, r), o in zip(live, owned):  # Newton-Schulz: one matrix function per matrix
-        scale = match_rms_scale(p.shape) if r[8] is None else r[8]
+        scale = match_rms_scale(p.shape[-2:]) if r[8] is None else r[8]  # each matrix's (A, B)
         o = mars_m_direction(m, ns_steps, ns_dtype) if o is None else o
         mars_m_step_(p, o, h._replace(scale=scale))
     if write_last and kind == MATRIX:  # the raw g_t, copied (never an alias of p.grad)

@@ -10,7 +10,8 @@ from . import mars_equations as F
 from ..common.sharding import ORTHOGONALIZE_ON
 from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
-    check_number as _check_number, check_torch_flags as _check_torch_flags, tensor_scalar
+    check_int, check_matrix_batch_dims, check_number as _check_number, \
+    check_torch_flags as _check_torch_flags, tensor_scalar
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
@@ -42,7 +43,12 @@ class MARS(Optimizer):
         &\quad \text{mars-lion: } u_t = \operatorname{sign}(m_t) && \text{(M10)} \\
         &\quad \text{mars-shampoo (2-D): } u_t = \sqrt{\max(1, A/B)}\;
               \mathrm{NS}_5\big(m_t / (1 - \beta_1)\big) && \text{(M12, M13; or } UV^\top \text{, M11)} \\
-        &\quad x_{t+1} = x_t - \eta\,(u_t + \lambda x_t) && \text{(M8)}
+        &\quad x_{t+1} = x_t - \eta\,(u_t + \lambda x_t) && \text{(M8)} \\
+        &\textbf{a stack } X \in \mathbb{R}^{E \times A \times B}
+              \textbf{ (matrix\_batch\_dims} = 1\textbf{)}: \
+              \tilde c_{t,e} = c_{t,e} / \max(1, \|c_{t,e}\|_F),\
+              u_{t,e} = \sqrt{\max(1, A/B)}\, \mathrm{NS}_5\big(m_{t,e} / (1 - \beta_1)\big)
+              && \text{(M3, M12 for each matrix } e \text{)}
         \end{aligned}
 
     Tensors that are not 2-D (biases, norms, 4-D convolution kernels) take plain AdamW on the
@@ -107,10 +113,25 @@ class MARS(Optimizer):
             changes.  Schedules and step counts enter as tensors and lengths are dynamic, so
             later steps do not recompile.  MARS-Shampoo matrices keep the eager path.
             Measured costs: README, "Performance".
-        shape_layout: ``"out_in"`` (default) or ``"in_out"``: how a 2-D parameter stores its
-            matrix.  MARS-Shampoo's s = sqrt(max(1, A/B)) is taken from the true (out, in)
-            shape, so give a group of transformers ``Conv1D`` weights (stored in x out)
-            ``shape_layout="in_out"``.
+        shape_layout: ``"out_in"`` (default) or ``"in_out"``: how a 2-D parameter (or each
+            matrix of a stack) stores its matrix.  MARS-Shampoo's s = sqrt(max(1, A/B)) is
+            taken from the true (out, in) shape, so give a group of transformers ``Conv1D``
+            weights (stored in x out) ``shape_layout="in_out"``.
+        matrix_batch_dims (int): how many leading dims of a tensor index independent matrices,
+            per group (fused MoE experts, e.g. transformers' ``MixtralExperts.gate_up_proj``
+            (E, 2I, H): ``matrix_batch_dims=1``). Default ``0``: every tensor is what its shape
+            says (a 3-D tensor is never taken for a stack: a Conv1d kernel is not one). With
+            k >= 1, a tensor of ndim k + 2 is a stack whose A x B matrices each take the
+            group's rule exactly as separate 2-D parameters would: the per-tensor clip (M3)
+            divides each matrix by its own norm (``clip_scope="global"`` keeps one norm over
+            everything), and MARS-Shampoo scales each by its s = sqrt(max(1, A/B)) and
+            orthogonalises each on its own (M12, M13).  mars-adamw and mars-lion are
+            elementwise, so for them only the clip is per matrix (and stacks take the MARS
+            path instead of the non-2-D fallback).  Tensors of ndim < 2 in such a group route
+            as without the option (the fallback, M14, or ``optimize_1d``); any other shape is
+            refused (ValueError naming ``matrix_batch_dims``).  Under FSDP2 a stack sharded on
+            its leading dims (``Shard(0)``) is clipped and orthogonalised on each rank's own
+            matrices, with no communication.
         orthogonalize_on: where a sharded (FSDP2 / DTensor) MARS-Shampoo matrix is
             orthogonalised: ``"owner"`` (default: each matrix once, on one owner rank chosen
             by greedy longest-first on its Newton-Schulz flops; two ``all_to_all`` per step
@@ -145,8 +166,8 @@ class MARS(Optimizer):
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
                  state_dtype=None, maximize=False, foreach=None, compiled=False,
-                 shape_layout="out_in", orthogonalize_on="owner", fused=None, capturable=False,
-                 differentiable=False):
+                 shape_layout="out_in", orthogonalize_on="owner", matrix_batch_dims=0,
+                 fused=None, capturable=False, differentiable=False):
         lr_value = _lr_value(lr)
         _check_number("lr_1d", lr_1d, low=0.0)
         if lr_value == 0.0 and lr_1d != 0.0:
@@ -162,7 +183,8 @@ class MARS(Optimizer):
                         ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, maximize=maximize, foreach=foreach,
                         compiled=compiled, shape_layout=shape_layout,
-                        orthogonalize_on=orthogonalize_on, fused=fused,
+                        orthogonalize_on=orthogonalize_on, matrix_batch_dims=matrix_batch_dims,
+                        fused=fused,
                         capturable=capturable, differentiable=differentiable)
         _check_torch_flags("MARS", defaults)  # every group is checked again (add_param_group)
         super().__init__(params, defaults)
@@ -267,15 +289,20 @@ class MARS(Optimizer):
                 ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"],
                 maximize=group["maximize"], foreach=group["foreach"],
                 compiled=group["compiled"], write_last_grad=not exact, global_clip_norm=total,
-                shampoo_scales=w.scales, orthogonalize_on=group["orthogonalize_on"])
+                shampoo_scales=w.scales, orthogonalize_on=group["orthogonalize_on"],
+                matrix_batch_dims=group["matrix_batch_dims"])
             for stored, working in w.write_back:  # computed in a wider dtype than stored
                 stored.copy_(working)
         return loss
 
     def _check_gradients(self):
-        """Reject unsupported inputs before any state changes, so a bad step loses nothing."""
+        """Reject unsupported inputs before any state changes, so a bad step loses nothing
+        (a group's ``matrix_batch_dims``, read at each step, must still fit its shapes)."""
         for group in self.param_groups:
+            check_int("matrix_batch_dims", group["matrix_batch_dims"], low=0)
             for p in group["params"]:
+                if p.grad is not None:
+                    _route(p, group)  # raises for a shape that matrix_batch_dims does not fit
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("MARS does not support sparse gradients")
                 if p.grad is not None and torch.is_complex(p):
@@ -293,7 +320,7 @@ class MARS(Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            kind = F.route(p.shape, group["mars_type"], group["optimize_1d"])
+            kind = _route(p, group)
             st, dtype = self.state[p], group["state_dtype"] or p.dtype
             buffers = ["exp_avg"]
             buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []
@@ -349,8 +376,7 @@ class MARS(Optimizer):
         correction from a gradient that was never finite.  Without ``grad_scaler`` the scaled
         gradient would be stored and the correction would be off by the loss scale; ``step``
         warns once when it sees a GradScaler drive it after such a call."""
-        keeps_last_grad = (lambda p, group: F.route(
-            p.shape, group["mars_type"], group["optimize_1d"]) != F.FALLBACK)
+        keeps_last_grad = (lambda p, group: _route(p, group) != F.FALLBACK)
         exact_mode.update_previous_grad(self, keeps_last_grad, grad_scaler=grad_scaler)
 
     def update_last_grad(self):
@@ -395,11 +421,18 @@ def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, la
                       kinds, scales, write_back)
 
 
+def _route(p, group):
+    """The route of tensor ``p`` in ``group`` (``mars_equations.route``)."""
+    return F.route(p.shape, group["mars_type"], group["optimize_1d"], group["matrix_batch_dims"])
+
+
 def _true_shape_scale(p, group):
     """s for a Shampoo matrix stored transposed (``shape_layout="in_out"``: transformers'
-    Conv1D keeps W as in x out), from its true (out, in); ``None``: from p's own shape."""
-    if group.get("shape_layout", "out_in") == "in_out" and p.ndim == 2:
-        return F.shape_scale((p.shape[1], p.shape[0]))
+    Conv1D keeps W as in x out), from its true (out, in) -- for a stack, its matrices';
+    ``None``: from p's own shape (a stack's: its matrices', ``shampoo_step_``)."""
+    if (group.get("shape_layout", "out_in") == "in_out"
+            and p.ndim == group["matrix_batch_dims"] + 2):
+        return F.shape_scale((p.shape[-1], p.shape[-2]))
     return None
 
 
@@ -427,6 +460,7 @@ def _validate_group(g):
     _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
+    check_matrix_batch_dims(g, F.matrix_batch_dims_of)
     if g["state_dtype"] is not None:
         _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode

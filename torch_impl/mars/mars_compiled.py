@@ -8,8 +8,14 @@ lr, the bias corrections, the global clip divisor -- enters as data: the route's
 record (from the one resolver, ``resolve_hyperparameters``) packed into one tensor
 (``Hyper.packed``) and read by name in the kernels (``Hyper.unpack``), so neither a schedule nor the step count
 recompiles, and shapes are dynamic so one compilation serves every tensor of a rank.
-MARS-Shampoo's matrices keep the eager path: Newton-Schulz is matmul-bound.
+MARS-Shampoo's matrices keep the eager path: Newton-Schulz is matmul-bound.  A stack of
+matrices (``matrix_batch_dims``) on the AdamW or Lion route enters as its matrices, one row
+each (``each_matrix``), so that its per-tensor clip is each matrix's, as for 2-D parameters;
+(a per-matrix norm fused with the in-place update of a 3-D tensor trips Inductor's CPU
+outer-loop fusion in torch 2.13: KeyError in ``try_outer_loop_fusion_with_local_buf``).
 """
+import itertools
+
 import torch
 
 from . import mars_equations as F
@@ -70,6 +76,17 @@ def _flat(*tensors):
     return flat
 
 
+def each_matrix(batch_dims, *tensors):
+    """Rows of same-shape tensors: for a stack (``batch_dims`` > 0) one row per matrix, of
+    views (integer indexing: never a copy, so in-place updates land in the stack), else the
+    tensors themselves; ``None`` stays ``None``."""
+    if not batch_dims:
+        return [tensors]
+    shape = next(t.shape for t in tensors if t is not None)
+    return [tuple(None if t is None else t[i] for t in tensors)
+            for i in itertools.product(*map(range, shape[:batch_dims]))]
+
+
 def _over_lists(kernel):
     """``kernel`` applied to every row of column lists, as one function (compiled once per
     group in ``compiled="group"`` mode: one call and one guard check for the whole group)."""
@@ -98,14 +115,16 @@ def _run(calls, grouped):
     return out
 
 
-def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped):
-    """The whole step of every (non-Shampoo) tensor: one compiled kernel call per tensor, or
-    per batch of same-route tensors with ``grouped``.  ``hypers``: each route's ``Hyper``;
-    ``total``: the global norm (or None)."""
+def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped, batch_dims=None):
+    """The whole step of every (non-Shampoo) tensor: one compiled kernel call per tensor (per
+    matrix of a stack), or per batch of same-route tensors with ``grouped``.  ``hypers``: each
+    route's ``Hyper``; ``total``: the global norm (or None); ``batch_dims[i]``: tensor i's
+    leading dims that index matrices (0: not a stack)."""
+    batch_dims = [0] * len(kinds) if batch_dims is None else batch_dims
     divisor = torch.clamp(total, min=1.0) if scope == "global" else None
     flags = (scope == "tensor", write_last)
     cache, calls = {}, []
-    for (p, g, m, v, vmax, last), k, kind in zip(zip(*buffers), steps, kinds):
+    for (p, g, m, v, vmax, last), k, kind, stack in zip(zip(*buffers), steps, kinds, batch_dims):
         key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync
         if key not in cache:
             h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)
@@ -117,8 +136,10 @@ def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped):
         hp = cache[key]
         if kind == F.FALLBACK:
             calls.append((fallback_kernel, _flat(p, g, m, v), hp, ()))
-        elif kind == F.LION:
-            calls.append((lion_kernel, _flat(p, g, last, m), hp, flags))
-        else:
-            calls.append((adamw_kernel, _flat(p, g, last, m, v, vmax), hp, flags))
+            continue
+        for row in each_matrix(stack, p, g, m, v, vmax, last):  # (p, g, m, v, vmax, last)
+            if kind == F.LION:
+                calls.append((lion_kernel, _flat(row[0], row[1], row[5], row[2]), hp, flags))
+            else:
+                calls.append((adamw_kernel, _flat(*row[:2], row[5], *row[2:5]), hp, flags))
     _run(calls, grouped)

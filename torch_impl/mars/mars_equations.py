@@ -9,7 +9,13 @@ turns a parameter group (or the functional's keywords) into the numbers a route 
 
 Nothing here synchronises with the device: the clip divides by ``clamp(norm, min=1)``
 instead of branching on the norm, and bias corrections come from CPU step counters.
+
+A stack of matrices (``matrix_batch_dims``, issue 31: fused MoE experts as one (E, A, B)
+parameter) is its matrices: routed as one of them (``matrix_batch_dims_of``), clipped per
+matrix (``clip_matrices_``), scaled by each matrix's shape and orthogonalised per matrix
+(``newton_schulz`` and ``orthogonalize_svd`` take batches).
 """
+import itertools
 import math
 from typing import NamedTuple
 
@@ -29,9 +35,32 @@ def takes_mars_path(shape, optimize_1d):
     return len(shape) == 2 or optimize_1d
 
 
-def route(shape, mars_type, optimize_1d):
+def matrix_batch_dims_of(shape, matrix_batch_dims):
+    r"""How many leading dims of a tensor of ``shape`` index independent matrices, in a group
+    that declares ``matrix_batch_dims`` = k (fused MoE experts: one (E, A, B) parameter):
+
+    * ndim = k + 2: k, a stack, each of whose A x B matrices takes the rule of a 2-D tensor
+      (k = 0: a matrix, as without the option);
+    * k = 0, or ndim < 2: 0, the tensor routes by its own shape, as without the option;
+    * anything else (k >= 1, ndim >= 2, ndim != k + 2): a ValueError naming
+      ``matrix_batch_dims``.  Nothing is guessed: a 3-D Conv1d kernel is not a stack of
+      matrices, and a 2-D tensor among stacks is a mistake in the grouping.
+    """
+    if len(shape) == matrix_batch_dims + 2:
+        return matrix_batch_dims
+    if matrix_batch_dims == 0 or len(shape) < 2:
+        return 0
+    raise ValueError(
+        f"matrix_batch_dims={matrix_batch_dims}: a tensor of ndim {matrix_batch_dims + 2} is a "
+        f"stack of matrices and one of ndim < 2 takes the non-matrix rule; got shape "
+        f"{tuple(shape)} (give it a parameter group with its own matrix_batch_dims)")
+
+
+def route(shape, mars_type, optimize_1d, matrix_batch_dims=0):
     """The update a tensor takes: the mars_type rule, or the AdamW fallback (M14).
-    MARS-Shampoo's non-2-D tensors (with ``optimize_1d``) take the AdamW rule."""
+    MARS-Shampoo's non-2-D tensors (with ``optimize_1d``) take the AdamW rule; a stack of
+    matrices (``matrix_batch_dims_of``) takes the rule of one of its matrices."""
+    shape = tuple(shape)[matrix_batch_dims_of(shape, matrix_batch_dims):]
     if not takes_mars_path(shape, optimize_1d):
         return FALLBACK
     if mars_type == "mars-lion":
@@ -150,6 +179,36 @@ def clip_tensor_(c, norm, ops=SINGLE):
     return ops.divide_by_clamped_(c, norm)
 
 
+def clip_matrices_(c, batch_dims, ops=SINGLE):
+    r"""(M3), official scope, on stacks: c <- c / max(||c||_F, 1) with the norm of the whole
+    tensor where ``batch_dims`` is 0 and of each matrix where it is k >= 1 (a stack's matrices
+    are clipped as the 2-D parameters they stand for).  FOREACH: ``c`` and ``batch_dims`` are
+    lists, one multi-tensor norm where no tensor is a stack."""
+    if ops.name != "foreach":
+        if batch_dims and torch.compiler.is_compiling() and c.device.type == "cpu":
+            return _clip_each_matrix_(c, batch_dims, ops)
+        return clip_tensor_(c, _matrix_norms(c) if batch_dims else ops.norm(c), ops)
+    if not any(batch_dims):
+        return clip_tensor_(c, ops.norm(c), ops)
+    norms = [_matrix_norms(x) if k else SINGLE.norm(x) for x, k in zip(c, batch_dims)]
+    return clip_tensor_(c, norms, ops)
+
+
+def _clip_each_matrix_(c, batch_dims, ops):
+    """``clip_matrices_`` one matrix view at a time, for ``torch.compile(opt.step)`` on the
+    CPU: Inductor's C++ outer-loop fusion of a per-matrix norm with the in-place division
+    of the stack raises (KeyError in ``try_outer_loop_fusion_with_local_buf``, torch 2.13)."""
+    for i in itertools.product(*map(range, c.shape[:batch_dims])):
+        clip_tensor_(c[i], ops.norm(c[i]), ops)
+    return c
+
+
+def _matrix_norms(c):
+    """||C_i||_F of every matrix of a stack (..., A, B), kept as (..., 1, 1) so that each
+    matrix is divided by its own (a DTensor sharded on the leading dims reduces locally)."""
+    return torch.linalg.vector_norm(c, dim=(-2, -1), keepdim=True)
+
+
 def clip_global_(cs, norms, ops=SINGLE):
     r"""(M3), paper scope: every c divided by max(sqrt(sum ||c_i||^2), 1), one norm for all."""
     if cs:
@@ -213,7 +272,8 @@ def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
 
 def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None, direction=None):
     r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1)); ``scale`` overrides s = s(p.shape)
-    (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape).
+    (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape); a stack
+    of matrices (..., A, B) takes the s of its A x B matrices and O of each.
     ``direction``: O(m / (1 - beta1)) when already computed (``functional``'s owner-rank
     orthogonalisation of sharded matrices, ``sharding.orthogonalize_on_owners``)."""
     if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
@@ -221,6 +281,8 @@ def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None, direc
     if direction is None:
         direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
     SINGLE.decay_(p, h.lr, h.weight_decay)
+    if scale is None and p.ndim > 2:  # a stack: its matrices' s, not the stack's shape's
+        scale = shape_scale(p.shape[-2:])
     p.add_(direction, alpha=-h.lr * (shape_scale(p.shape) if scale is None else scale))
 
 

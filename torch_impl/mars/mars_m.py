@@ -9,7 +9,8 @@ from . import exact_mode
 from . import mars_m_equations as M
 from .functional import mars_m
 from ..common.sharding import ORTHOGONALIZE_ON
-from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
+from ..common.validation import (check_betas, check_choice, check_int, check_matrix_batch_dims,
+                                 check_number, check_torch_flags)
 
 RULES = ("auto", "mars_m", "adamw")
 SHAPE_LAYOUTS = ("out_in", "in_out")
@@ -33,14 +34,20 @@ class MARSM(Optimizer):
             b_t = \beta b_{t-1} + \tfrac{(1-\gamma)(1-\beta)}{\beta} g_t,\ M_t = \gamma g_t + \beta b_t \\
         &\textbf{rule "adamw"}: m, v \text{ EMAs of } g, g^2 \text{ (adamw\_betas)},\
             x \leftarrow x(1-\eta\lambda) - \eta\tfrac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,
-            \frac{m}{\epsilon + \sqrt v}
+            \frac{m}{\epsilon + \sqrt v} \\
+        &\textbf{a stack } X \in \mathbb{R}^{E \times A \times B}
+            \textbf{ (matrix\_batch\_dims} = 1\textbf{)}, \textbf{ each matrix } e: \
+            \tilde C_{t,e} = C_{t,e} / \max(1, \|C_{t,e}\|_F),\
+            x_{t+1,e} = x_{t,e}(1 - \eta\lambda) - \eta\cdot 0.2\sqrt{\max(A,B)}\,
+            \mathrm{NS}_5(M_{t,e})
         \end{aligned}
 
     Args (the authors' names where torch has none: ``wd`` is ``weight_decay`` here):
         params: parameters or group dicts.  A group's ``rule`` picks its update: ``"mars_m"``
-            (2-D matrices only), ``"adamw"``, or ``"auto"`` (default: ``"mars_m"`` for 2-D
-            tensors, ``"adamw"`` otherwise).  Put embeddings and the output head in an
-            ``"adamw"`` group, as the authors do.
+            (2-D matrices only; stacks of ndim k + 2 with ``matrix_batch_dims`` = k), ``"adamw"``,
+            or ``"auto"`` (default: ``"mars_m"`` for 2-D tensors -- for stacks with k >= 1 --
+            and ``"adamw"`` otherwise).  Put embeddings and the output head in an ``"adamw"``
+            group, as the authors do.
         lr (float or tensor): :math:`\eta`, both rules. Default ``1e-3``.
         weight_decay (float): :math:`\lambda`, decoupled, both rules. Default ``0.1``.
         momentum (float or tensor): :math:`\beta`. Default ``0.95``.  ``lr``, ``momentum``
@@ -62,6 +69,19 @@ class MARSM(Optimizer):
         shape_layout: ``"out_in"`` or ``"in_out"`` (transformers' ``Conv1D``): the scale
             0.2 sqrt(max(A, B)) is symmetric, so this only documents the layout; kept for
             symmetry with ``MARS``.
+        matrix_batch_dims (int): how many leading dims of a tensor index independent matrices,
+            per group (fused MoE experts: transformers' ``MixtralExperts.gate_up_proj`` (E, 2I,
+            H) and ``down_proj`` (E, H, I) take ``matrix_batch_dims=1``). Default ``0``: a
+            3-D tensor is never taken for a stack (a Conv1d kernel is not one): ``"auto"``
+            gives it the AdamW rule and ``"mars_m"`` refuses it. With k >= 1 every matrix of a
+            stack (ndim k + 2) is updated exactly as a separate 2-D parameter would be: C_t
+            clipped to its own norm (M15), NS5 normalised by its own norm (M16), the step
+            scaled by 0.2 sqrt(max(A, B)) of its own (A, B) (M17). Under ``"auto"`` tensors of
+            ndim < 2 take the AdamW rule and any other shape is refused; under ``"mars_m"``
+            every tensor must be a stack (ValueErrors name ``matrix_batch_dims``); ``"adamw"``
+            is elementwise and ignores it. Under FSDP2 a stack sharded on its leading dims
+            (``Shard(0)``) is clipped and orthogonalised on each rank's own matrices, with no
+            communication, whatever ``orthogonalize_on`` says.
         orthogonalize_on: where a sharded (FSDP2 / DTensor) matrix is orthogonalised:
             ``"owner"`` (default: each matrix once, on one owner rank chosen by greedy
             longest-first on its Newton-Schulz flops; two ``all_to_all`` per step and group)
@@ -92,12 +112,14 @@ class MARSM(Optimizer):
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
                  shape_layout="out_in", maximize=False, foreach=None, compiled=False,
-                 orthogonalize_on="owner", fused=None, capturable=False, differentiable=False):
+                 orthogonalize_on="owner", matrix_batch_dims=0, fused=None, capturable=False,
+                 differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                         gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
                         shape_layout=shape_layout, maximize=maximize, foreach=foreach,
-                        compiled=compiled, orthogonalize_on=orthogonalize_on, fused=fused,
+                        compiled=compiled, orthogonalize_on=orthogonalize_on,
+                        matrix_batch_dims=matrix_batch_dims, fused=fused,
                         capturable=capturable,
                         differentiable=differentiable)
         check_torch_flags("MARSM", defaults)  # every group is checked again (add_param_group)
@@ -164,13 +186,18 @@ class MARSM(Optimizer):
                    clip_c=group["clip_c"], adamw_betas=group["adamw_betas"],
                    adamw_eps=group["adamw_eps"], maximize=group["maximize"],
                    foreach=group["foreach"], compiled=group["compiled"],
-                   orthogonalize_on=group["orthogonalize_on"], write_last_grad=not exact)
+                   orthogonalize_on=group["orthogonalize_on"], write_last_grad=not exact,
+                   matrix_batch_dims=group["matrix_batch_dims"])
         return loss
 
     def _check_gradients(self):
-        """Reject unsupported inputs before any state changes, so a bad step loses nothing."""
+        """Reject unsupported inputs before any state changes, so a bad step loses nothing
+        (a group's ``matrix_batch_dims``, read at each step, must still fit its shapes)."""
         for group in self.param_groups:
+            check_int("matrix_batch_dims", group["matrix_batch_dims"], low=0)
             for p in group["params"]:
+                if p.grad is not None:
+                    _kind(p, group)  # raises for a shape that matrix_batch_dims does not fit
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("MARSM does not support sparse gradients")
                 if p.grad is not None and torch.is_complex(p):
@@ -221,8 +248,9 @@ class MARSM(Optimizer):
 
 def _kind(p, group):
     rule = group["rule"]
-    if rule == "auto":
-        rule = "mars_m" if p.ndim == 2 else "adamw"
+    if rule == "auto":  # a matrix, or a declared stack of them (never a guessed one)
+        stacked = M.F.matrix_batch_dims_of(p.shape, group["matrix_batch_dims"])
+        rule = "mars_m" if p.ndim - stacked == 2 else "adamw"
     if rule == "adamw":
         return M.BACKUP
     return M.EFFICIENT if group["efficient"] else M.MATRIX
@@ -262,11 +290,20 @@ def _validate_group(g):
     if g["efficient"] and not g["is_approx"]:
         raise ValueError("efficient: the efficient recursion (M18) keeps no g_{t-1}, so it has "
                          "no exact mode; use is_approx=True or efficient=False")
+    check_int("matrix_batch_dims", g["matrix_batch_dims"], low=0)
+    if g["rule"] == "auto":
+        check_matrix_batch_dims(g, M.F.matrix_batch_dims_of)
+    k = g["matrix_batch_dims"]
     if g["rule"] == "mars_m":
-        bad = [tuple(p.shape) for p in g["params"] if p.ndim != 2]
-        if bad:
+        bad = [tuple(p.shape) for p in g["params"] if p.ndim != k + 2]
+        if bad and k == 0:
             raise ValueError(f"rule: 'mars_m' orthogonalizes matrices; got shapes {bad} "
-                             "(give them rule='adamw', or reshape them)")
+                             "(give them rule='adamw', or reshape them, or declare a stack of "
+                             "matrices with matrix_batch_dims)")
+        if bad:
+            raise ValueError(f"rule: 'mars_m' with matrix_batch_dims={k} orthogonalizes "
+                             f"stacks of matrices of ndim {k + 2}; got shapes {bad} (give "
+                             "them a group of their own)")
 
 
 class MARS_M(MARSM):  # noqa: N801  (the authors' class name, for a one-line import change)

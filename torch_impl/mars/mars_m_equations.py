@@ -5,6 +5,8 @@ the list driver ``mars_m`` that runs them is ``functional.mars_m``.
 The elementwise equations run under ``SINGLE`` (one tensor) or ``FOREACH`` (lists) ops, as in
 ``mars_equations``; Newton-Schulz is a matrix function, called once per matrix.  The MARS
 equations themselves (M2 correction, M3 clip, M4 momentum) are ``mars_equations``'s.
+A stack of matrices (``matrix_batch_dims`` = k >= 1: every matrix tensor has ndim k + 2) is
+clipped, scaled and orthogonalised matrix by matrix, as k = 0's 2-D tensors are.
 """
 
 from . import mars_equations as F
@@ -34,22 +36,26 @@ def resolve_hyperparameters(kind, *, lr, weight_decay, momentum, gamma, adamw_be
 # ------------------------------------------------------------------ equations (2.6)
 
 def match_rms_scale(shape):
-    r"""(M17) 0.2 sqrt(max(A, B)): the update's RMS then matches AdamW's (Moonlight)."""
+    r"""(M17) 0.2 sqrt(max(A, B)): the update's RMS then matches AdamW's (Moonlight).
+    ``shape`` is one matrix's (A, B): a stack's callers pass ``p.shape[-2:]``."""
     return 0.2 * max(shape[0], shape[1]) ** 0.5
 
 
-def mars_m_momentum_(m, g, last, h, clip, ops=SINGLE):
-    r"""(M15)  C_t = g + a (g - g_prev) in ``last``'s buffer, clipped to norm 1 if ``clip``,
-    then M <- beta M + (1 - beta) C~_t.  Returns M."""
+def mars_m_momentum_(m, g, last, h, clip, ops=SINGLE, matrix_batch_dims=0):
+    r"""(M15)  C_t = g + a (g - g_prev) in ``last``'s buffer, clipped to norm 1 if ``clip``
+    (each matrix of a stack with ``matrix_batch_dims`` leading dims to its own norm), then
+    M <- beta M + (1 - beta) C~_t.  Returns M."""
     c = F.corrected_gradient_(last, g, h.gamma, h.beta1, ops)
     if clip:
-        F.clip_tensor_(c, ops.norm(c), ops)
+        dims = [matrix_batch_dims] * len(c) if ops.name == "foreach" else matrix_batch_dims
+        F.clip_matrices_(c, dims, ops)
     return F.momentum_(m, c, h.beta1, ops)
 
 
 def mars_m_direction(m, ns_steps, ns_dtype):
     r"""(M16)  O = NS5(M) as the authors compute it: cast to ``ns_dtype``, transpose if tall,
-    normalise by ||X||_F + 1e-7, five quintic steps; O stays in ``ns_dtype``."""
+    normalise by ||X||_F + 1e-7, five quintic steps; O stays in ``ns_dtype``.  A stack
+    (..., A, B): each matrix's own O (its own norm)."""
     return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)
 
 

@@ -89,7 +89,7 @@ import weakref
 import torch
 
 from .eager_capture import EagerCaptureSteps
-from .experts import bind_expert_inputs, routed_rows
+from .experts import bind_expert_inputs, expert_rows
 from .hook_objects import BoundHook, Gated
 from .row_provenance import RowsMask, rows_mask
 from .self_check import SelfCheck
@@ -596,11 +596,11 @@ class Capture:
 
     def _experts_rows(self, layers, module, inputs, grad, ctx, found):
         """Commit one call's statistics of both projections of a fused experts module from
-        the gradient of its output (:func:`~.experts.routed_rows`); ``found``: the layout of
+        the gradient of its output (:func:`~.experts.expert_rows`); ``found``: the layout of
         the call's token rows, followed to each routed pair through its token."""
         hidden, index, weights = inputs
         with _untracked(ctx):
-            token, expert, rows = routed_rows(module, hidden, index, weights, grad)
+            token, expert, rows = expert_rows(module, hidden, index, weights, grad)
             mask = None if found.mask is None else found.mask.reshape(-1)[token]
             checking = self.check.checking
             for layer, (a, g) in zip(layers, rows):

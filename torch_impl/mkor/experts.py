@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .layers import LayerType
 
 __all__ = ["ExpertProjection", "FusedExpertsType", "is_fused_experts", "expert_projections",
-           "routed_rows", "bind_expert_inputs"]
+           "expert_rows", "bind_expert_inputs"]
 
 #: what ``use_experts_implementation`` sets on every instance of a decorated class
 _LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -130,9 +130,6 @@ class FusedExpertsType(LayerType):
         _, rows, cols = module.weight.shape
         return (cols, rows) if module.transposed else (rows, cols)
 
-    def rows_per_sample(self, lead):
-        return 1
-
     def as_matrix(self, module, weight_like):
         return weight_like.mT if module.transposed else weight_like
 
@@ -149,7 +146,7 @@ def _linear(x, weight, bias, transposed):
     return y if bias is None else y + bias
 
 
-def routed_rows(module, hidden, top_k_index, top_k_weights, grad_out):
+def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
     """Every routed pair's rows of both projections, recomputed from the call's inputs and
     the gradient of its output (module docstring). Returns ``(token, expert, rows)``:
     ``token``, ``expert`` (S,) per pair in (token, slot) order, and ``rows`` a list of
