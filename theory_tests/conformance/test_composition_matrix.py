@@ -1,8 +1,10 @@
-"""The composition matrix (issue 20 item 5, rows added by issue 29): thirteen real models
-(GPT-2, BERT, Llama, T5, ViT, ALBERT, ResNet from transformers, transformers' Switch MoE with
-Linear experts; and CLIP's two towers, XLNet's sequence-first rows, an EncoderDecoderModel
-with a projection, a user's wrapper fed dict batches, BERT called with a positional mask)
-x nine training-loop features, under MKOR and K-FAC. Every cell is compared with a reference run;
+"""The composition matrix (issue 20 item 5, rows added by issues 29 and 31): seventeen real
+models (GPT-2, BERT, Llama, T5, ViT, ALBERT, ResNet from transformers, transformers' Switch MoE
+with Linear experts; CLIP's two towers, XLNet's sequence-first rows, an EncoderDecoderModel
+with a projection, a user's wrapper fed dict batches, BERT called with a positional mask; and
+Mixtral, Qwen2-MoE, Aria and GPT-OSS, whose experts are fused 3-D parameters preconditioned
+as stacks of expert layers, :mod:`composition_moe`) x nine training-loop features, under MKOR
+and K-FAC. Every cell is compared with a reference run;
 the table, cell by cell, with the measured errors, is ``paper_notes/composition_matrix.md``.
 
 One test function per feature (a column of the matrix); its docstring states the reference
@@ -36,7 +38,8 @@ import torch
 
 from theory_tests.support import composition_cases as cc
 from theory_tests.support.composition_cases import (CASES, FEATURES, KINDS, MODELS, NOT_APPLICABLE, REORDER_TOL,
-                               compare, describe, oracle_errors, run)
+                               compare, describe, oracle_errors, run, total_count)
+from theory_tests.support.composition_moe import FUSED
 from theory_tests.support.composition_rows import shape_coincidence
 from theory_tests.support.distributed_harness import run as run_ranks
 from theory_tests.support.dynamo_probe import compiled_graphs, disabled_calls
@@ -61,6 +64,11 @@ DEFAULT = {
     ("encdec", "padding"),
     ("bert_wrapper", "padding"),
     ("bert_positional", "ckpt_reentrant"),
+    # issue 31's rows: fused experts (3-D parameters) preconditioned as stacks of experts
+    ("mixtral", "padding"),
+    ("qwen2_moe", "ddp"),
+    ("aria", "ckpt_reentrant"),
+    ("gpt_oss", "plain"),
 }
 
 #: Float32 tolerance for compiled-vs-eager runs of models that compute part of a float64
@@ -73,6 +81,12 @@ FLOAT32_PARTS = {
     "llama": "LlamaRMSNorm casts the hidden states to float32 and back",
     "t5": "T5LayerNorm computes the variance in float32",
     "moe": "Switch's T5-style layer norm computes the variance in float32",
+    "mixtral": "MixtralRMSNorm casts the hidden states to float32 and back; the router's "
+               "softmax computes in float32",
+    "qwen2_moe": "Qwen2MoeRMSNorm casts the hidden states to float32 and back; the router's "
+                 "softmax computes in float32",
+    "aria": "AriaTextRMSNorm casts the hidden states to float32 and back",
+    "gpt_oss": "GptOssRMSNorm casts the hidden states to float32 and back",
 }
 
 #: Cells compared with REORDER_TOL instead of bit-identity, with the reason.
@@ -83,7 +97,21 @@ REORDERED = {
     ("moe", "ckpt"): "the same T5-style cross-attention as T5 (Switch is built on T5)",
 }
 
+#: Token models whose runs with other ids at the padded positions agree within REORDER_TOL,
+#: not bit for bit, with the reason (measured without any preconditioner).
+PAD_REORDERED = {
+    model: "padded tokens are routed too: they change how many rows each expert's matmul "
+           "runs on, and the same rows multiplied in a matmul of another height differ in the "
+           "last bits, so the real tokens' expert outputs move (one forward and backward "
+           "without a preconditioner: up to 4.3e-19 at real tokens, parameter gradients up "
+           "to 2.2e-19); the padded pairs' rows themselves are masked out"
+    for model in FUSED
+}
 
+#: Cells that run and fail, with the reason: ``xfail(strict=True)``, so a fix shows (none now:
+#: the fused experts' bf16 cells failed until the capture recomputed their rows under the
+#: forward's autocast, with each product's gradient in the product's dtype).
+KNOWN_FAILING = {}
 
 
 def cells(feature):
@@ -95,6 +123,8 @@ def cells(feature):
             continue
         for kind in KINDS:
             marks = () if (model, feature) in DEFAULT else (pytest.mark.slow,)
+            if (model, feature) in KNOWN_FAILING:
+                marks += (pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[model, feature]),)
             out.append(pytest.param(model, kind, marks=marks, id=f"{model}-{kind}"))
     return out
 
@@ -179,7 +209,9 @@ def _checkpointing(model, kind, reentrant, capsys):
     report(capsys, model, feature, kind, **numbers)
     assert res.pre.steps == STEPS
     assert_same_run((model, "ckpt") not in REORDERED, numbers)
-    if pad_numbers is not None:
+    if pad_numbers is not None and model in PAD_REORDERED:
+        assert_same_run(False, pad_numbers)
+    elif pad_numbers is not None:
         assert pad_numbers["params_equal"] and pad_numbers["stats_equal"], describe(pad_numbers)
 
 
@@ -191,7 +223,7 @@ def test_ckpt_reentrant(model, kind, capsys):
     or ``torch.utils.checkpoint`` on ALBERT's shared layer group / ResNet's stages (no
     transformers support). Assertion: bit-identical parameters and statistics at every step
     (T5, MoE: REORDER_TOL, see REORDERED); token models also give bit-identical runs when only
-    the ids at padded positions change."""
+    the ids at padded positions change (fused experts: within REORDER_TOL, PAD_REORDERED)."""
     _checkpointing(model, kind, True, capsys)
 
 
@@ -224,7 +256,12 @@ def test_padding(model, kind, capsys):
     every other layer's statistics at step 0 within REORDER_TOL (relative to max(1, max|x|)).
     Every model: ``unmasked_reasons`` lists exactly the token layers no (B, T) mask indexes
     (``composition_rows.listed_unmasked``: the MoE's experts, gathered by the router; CLIP's
-    text projection, each row's end-of-text token picked by an index). The issue-29 rows put
+    text projection, each row's end-of-text token picked by an index). Fused experts
+    (Mixtral, Qwen2-MoE, Aria, GPT-OSS: composition_moe): each routed pair is a row of its expert and
+    follows its token's mask, so they are masked (mask source "tokens" for every layer, none
+    in ``unmasked_reasons``) and the Observer masks the pairs of padded tokens; padded tokens
+    are routed too and move the real tokens' expert outputs in the last bits
+    (``PAD_REORDERED``): pad-id invariance within REORDER_TOL. The issue-29 rows put
     a mask of the right shape in the wrong place: CLIP's text as long as its vision tokens,
     XLNet's (T, B) rows with B = T, the EncoderDecoderModel's encoder and decoder both 8 long
     behind a projection, BERT inside a wrapper fed a dict, BERT given the mask by position.
@@ -266,6 +303,11 @@ def test_padding(model, kind, capsys):
     if model == "moe":
         assert a.unmatched == {n for n in a.names if ".experts.expert_" in n}
         assert masked and numbers["pad_step0_masked_rel"] <= REORDER_TOL, describe(numbers)
+    elif model in PAD_REORDERED:  # fused experts: every layer masked, the stacks by token
+        sources = {n: row["mask"] for n, row in a.pre.capture_report().items() if n in a.names}
+        assert set(sources.values()) == {"tokens"}, sources
+        assert any(".mlp.experts." in n for n in a.names) and not a.unmatched
+        assert_same_run(False, pads)
     else:
         assert pads["params_equal"] and pads["stats_equal"], describe(pads)
 
@@ -447,6 +489,13 @@ def _empty_on_rank0(ranks, kind):
             if rows0[name].get(t, 0) == 0 and rows1[name].get(t, 0) > 0]
 
 
+def _count_gap(ranks, kind):
+    """Largest difference between the two ranks' pairs routed to one expert in one step."""
+    rows0, rows1 = ranks[0][kind]["expert_rows"], ranks[1][kind]["expert_rows"]
+    return max((abs(rows0[name].get(t, 0) - rows1[name].get(t, 0)) for name in rows0
+                for t in range(STEPS)), default=0)
+
+
 @pytest.mark.parametrize("model,kind", cells("ddp"))
 def test_ddp(model, kind, capsys):
     """Reference: one process on the union of the batches (8 rows, one backward, mean loss).
@@ -456,7 +505,10 @@ def test_ddp(model, kind, capsys):
     parameters and factors; they equal the union run within REORDER_TOL (the all-reduce sums
     in another order). MoE (Switch, learned top-1 router): in some step an expert gets no
     token on rank 0 and some on rank 1 (asserted from the recorded routing), and no factor
-    update is counted non-finite."""
+    update is counted non-finite. Fused experts (top-2 of 4): each expert's pairs differ in
+    number between the ranks in some step (``count_gap`` > 0, from the recorded routing: a
+    mean of the ranks' per-expert means would be wrong), and no expert's update is counted
+    non-finite."""
     ranks = _ddp_ranks(model)
     data = batches(model, size=8)
     ref = run(model, "plain", kind, data, per_sample=True)
@@ -464,16 +516,21 @@ def test_ddp(model, kind, capsys):
     numbers = compare(ranks[0][kind], reference)
     between = compare(ranks[1][kind], dict(ranks[0][kind], init=ref.init))
     numbers["rank_param_rel"] = between["param_rel"]
+    if model in FUSED:
+        numbers["count_gap"] = _count_gap(ranks, kind)
     report(capsys, model, "ddp", kind, **numbers)
     assert between["params_equal"] and between["factors_equal"]
     assert numbers["param_rel"] <= REORDER_TOL, describe(numbers)
     assert numbers["factor_rel"] <= REORDER_TOL, describe(numbers)
     if model == "moe":
         assert _empty_on_rank0(ranks, kind), "the routing no longer leaves an expert empty"
+    if model in FUSED:
+        assert numbers["count_gap"] > 0, "the ranks' experts got equally many pairs"
+    if model == "moe" or model in FUSED:
         for rank in ranks:
             counters = rank[kind]["counters"]
             assert isinstance(counters, dict), counters
-            assert all(c["non_finite"] == 0 for c in counters.values())
+            assert all(total_count(c["non_finite"]) == 0 for c in counters.values())
 
 
 MOE_DEFAULT = [pytest.param(kind, id=kind) for kind in KINDS]

@@ -195,3 +195,23 @@ def test_the_layouts_no_model_declares_train_as_their_twin():
     worst = max((params[n].detach() - p).abs().max().item() for n, p in fused_view(twin).items())
     print(f"[moe twin declared layouts] max |fused - twin| = {worst:.2e}")
     assert worst <= 1e-15
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_under_bf16_autocast_the_rows_are_the_ones_the_forward_multiplied(family):
+    """A float32 model under CPU bf16 autocast: the recomputed rows (under the forward's
+    autocast, each product's gradient in the product's dtype) pass the self-check's weight
+    test per expert, so no projection is released (in float32 outside autocast they were off
+    by 3-23 times its bound and were released)."""
+    (_, model), = tiny_moe_models((family,), dtype=torch.float32).values()
+    mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=1)
+    ids, mask, labels = _batch(0, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    mkor.step()
+    report = mkor.capture_report()
+    stacks = [l.name for l in mkor._layers if l.experts is not None]
+    assert all(report[n]["self_check"]["weight"] == "pass" for n in stacks), \
+        {n: report[n]["self_check"] for n in stacks}
+    assert not set(stacks) & set(mkor.skip_reasons)

@@ -14,6 +14,7 @@ from .mutants_newcomer import NEWCOMER_MUTANTS
 from .mutants_low_precision import LOW_PRECISION_MUTANTS
 from .mutants_figures_repro import FIGURES_REPRO_MUTANTS
 from .mutants_experts import EXPERTS_MUTANTS
+from .mutants_kfac_experts import KFAC_EXPERTS_MUTANTS
 from .mutants_matrix_batch import MATRIX_BATCH_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
@@ -529,7 +530,7 @@ MUTANTS = {
 # A row both families prove (PORT-DCP) takes the mutants of both lists.
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS,
                 LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS, EXPERTS_MUTANTS,
-                MATRIX_BATCH_MUTANTS):
+                MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

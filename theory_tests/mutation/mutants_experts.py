@@ -25,17 +25,23 @@ EXPERTS_MUTANTS = {
         Mutant(T_V, "    total = rows.new_zeros(num_experts, rows.shape[-1]).index_add_(0, experts, kept)",
                "    total = kept.sum(0).expand(num_experts, -1).clone()"),
         # the routing weight left out of the gradient rows (down and, through it, up)
-        Mutant(T_E, "        g_y = w.to(grad_out.dtype) * grad_out.detach()[token]",
-               "        g_y = grad_out.detach()[token]"),
+        Mutant(T_E, "        g_y = (w.to(grad_out.dtype) * grad_out.detach()[token]).to(y_dtype)",
+               "        g_y = grad_out.detach()[token].to(y_dtype)"),
         # the down projection fed the gate's input instead of its output
-        Mutant(T_E, "    return token, expert, [(x, g_h.detach()), (a2.detach(), g_y.detach())]",
-               "    return token, expert, [(x, g_h.detach()), (h.detach()[:, :a2.shape[1]], g_y.detach())]"),
+        Mutant(T_E, "    return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]",
+               "    return token, expert, [(x, g_h), (h.detach()[:, :a2.shape[1]], g_y.detach())]"),
+        # the rows recomputed outside the forward's autocast (float32 rows of a bf16 forward)
+        Mutant(T_C, "with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):",
+               "with torch.autocast(autocast[0], dtype=autocast[1], enabled=False):"),
+        # the up projection's gradient rows taken after its float32 bias, not of its product
+        Mutant(T_E, "    g_h = g_h.detach().to(_product_dtype(x, up.weight))\n",
+               "    g_h = g_h.detach()\n"),
         # an expert routed nothing updated anyway (with zero vectors)
         Mutant(T_P, "                    out.append((layer, _row_mean(a_sum, rows), g, rows > 0))",
                 "                    out.append((layer, _row_mean(a_sum, rows), g, rows >= 0))"),
         # the stabiliser's test taken over the whole stack: one expert over the threshold
         # resets them all
-        Mutant(T_F, "    low, high = torch.aminmax(J) if J.dim() == 2 else torch.aminmax(J.flatten(-2), dim=-1)",
+        Mutant(T_F, "    low, high = torch.aminmax(J) if J.dim() == 2 else (J.amin(dim=(-2, -1)), J.amax(dim=(-2, -1)))",
                "    low, high = torch.aminmax(J)"),
         # the rescale of a stack with the stack's norms, not each expert's
         Mutant(T_F, "    s = grad_norm / torch.where(usable_e, delta_norm, torch.ones_like(delta_norm))",
@@ -64,9 +70,8 @@ EXPERTS_MUTANTS = {
                "    return [None if a.shape[0] == 0 else kfac_factors(a, g / a.shape[0] ** 0.5, "
                "has_bias=has_bias)"),
         # shared factors: every expert's rows summed into expert 0's statistic
-        Mutant(T_KE, "        out.index_add_(0, experts[start:start + step], x.unsqueeze(-1) * x.unsqueeze(-2))",
-               "        out.index_add_(0, torch.zeros_like(experts[start:start + step]), "
-               "x.unsqueeze(-1) * x.unsqueeze(-2))"),
+        Mutant(T_KE, "        out.index_add_(0, owner[j:j + num_experts], block.mT @ block)",
+               "        out.index_add_(0, torch.zeros_like(owner[j:j + num_experts]), block.mT @ block)"),
         # an expert routed nothing updated anyway (its factor EMA decays towards 0)
         Mutant(T_K, "                present = rows > 0 if isinstance(rows, torch.Tensor) else None",
                "                present = rows >= 0 if isinstance(rows, torch.Tensor) else None"),

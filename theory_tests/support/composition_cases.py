@@ -36,7 +36,7 @@ __all__ = ["MODELS", "FEATURES", "KINDS", "NOT_APPLICABLE", "CASES", "Case", "Re
            "tiny_albert", "tiny_moe", "seq2seq_batch", "image_batch", "make_preconditioner",
            "run", "ddp_job", "compare", "counters_of", "ExpertRows", "hash_moe",
            "hash_moe_batch", "oracle_errors", "statistics_of", "describe", "max_abs_pairs",
-           "max_rel_pairs", "REORDER_TOL"]
+           "max_rel_pairs", "REORDER_TOL", "total_count"]
 
 # -- runs -------------------------------------------------------------------------------------
 PRECONDITIONERS = {"mkor": MKOR, "kfac": KFAC}
@@ -54,8 +54,15 @@ def make_preconditioner(kind, model, lr=0.05, **kwargs):
 
 
 def counters_of(pre):
-    """The preconditioner's per-layer counters as Python ints."""
-    return {name: {k: int(v) for k, v in c.items()} for name, c in pre.counters().items()}
+    """The preconditioner's per-layer counters as Python ints (a stack of experts: a list,
+    one per expert)."""
+    return {name: {k: (int(v) if v.dim() == 0 else [int(x) for x in v.tolist()])
+                   for k, v in c.items()} for name, c in pre.counters().items()}
+
+
+def total_count(value):
+    """A counter of :func:`counters_of` summed over a stack's experts."""
+    return sum(value) if isinstance(value, list) else value
 
 
 def _clone_pairs(d):

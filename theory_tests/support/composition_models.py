@@ -1,5 +1,6 @@
 """The composition matrix's models, batches and cases (issue 20 item 5; issue 29's five rows are
-built in :mod:`composition_mask_models`).
+built in :mod:`composition_mask_models`, issue 31's four rows with fused experts in
+:mod:`composition_moe`).
 
 Models (random weights, built offline from small configs, dropout 0, float64 unless a feature
 needs otherwise; each builds in a few milliseconds): GPT-2, BERT (MLM) and ResNet from
@@ -7,7 +8,8 @@ needs otherwise; each builds in a few milliseconds): GPT-2, BERT (MLM) and ResNe
 per forward) and an MoE. The MoE is transformers' ``SwitchTransformersForConditionalGeneration``:
 in transformers 5.24 its experts are ``nn.Linear`` pairs (``wi``, ``wo``) called in a Python
 loop over the experts that received tokens (an expert routed no token is not called), whereas
-Mixtral / Qwen-MoE hold their experts as fused 3-D weights. Its routers compute in float32 by
+Mixtral / Qwen-MoE hold their experts as fused 3-D weights (the rows mixtral, qwen2_moe, aria,
+gpt_oss). Its routers compute in float32 by
 design ("selective precision"); the float64 models here set them to float64 so that comparisons
 of runs are not limited by the router's rounding. :class:`HashMoE` is a small custom MoE whose
 experts *are* called with 0 rows (a static loop over all experts, as transformers 4.x's Mixtral
@@ -28,6 +30,7 @@ from transformers import (AlbertConfig, AlbertForMaskedLM, LlamaConfig, LlamaFor
 from transformers.modeling_outputs import CausalLMOutput
 
 from theory_tests.support import composition_mask_models as masks
+from theory_tests.support import composition_moe as moe
 from theory_tests.support.composition_rows import all_tokens, default_loss, seq2seq_rows, switch_rows
 from theory_tests.support.hf_cases import SEQ, VOCAB, lm_batch, tiny_bert, tiny_gpt2, tiny_resnet
 
@@ -37,7 +40,9 @@ f64 = torch.float64
 
 MODELS = ["gpt2", "bert", "llama", "t5", "vit", "albert", "resnet", "moe",
           # issue 29: masks a call's shape would get wrong (composition_mask_models)
-          "clip", "xlnet", "encdec", "bert_wrapper", "bert_positional"]
+          "clip", "xlnet", "encdec", "bert_wrapper", "bert_positional",
+          # issue 31: fused experts, 3-D parameters preconditioned as stacks (composition_moe)
+          *moe.FUSED]
 FEATURES = ["plain", "ckpt_reentrant", "ckpt_nonreentrant", "padding", "compile", "lora",
             "accelerate", "ddp", "lightning_bf16"]
 KINDS = ["mkor", "kfac"]
@@ -127,9 +132,10 @@ def tiny_moe(seed=0, dtype=f64):
 
 
 class ExpertRows:
-    """Rows each expert ``wi`` Linear of a Switch model receives, per step: ``rows[name][t]``
-    (absent: the expert was not called in step t). Set :attr:`step` before each step's
-    forwards; :meth:`remove` the hooks."""
+    """Rows each expert receives, per step: ``rows[name][t]`` (absent: the expert was not
+    called in step t), for a Switch model's expert ``wi`` Linears (by module name) and for
+    fused experts, one entry per expert ``<experts module>[e]`` (the pairs routed to it; 0 when
+    none). Set :attr:`step` before each step's forwards; :meth:`remove` the hooks."""
 
     def __init__(self, model):
         self.step, self.rows, self._handles = 0, {}, []
@@ -137,11 +143,23 @@ class ExpertRows:
             if ".experts.expert_" in name and name.endswith(".wi"):
                 self.rows[name] = {}
                 self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+            elif moe.is_fused_experts(module):
+                for e in range(module.num_experts):
+                    self.rows[f"{name}[{e}]"] = {}
+                self._handles.append(module.register_forward_pre_hook(self._fused_hook(name)))
 
     def _hook(self, name):
         def hook(module, args):
             per_step = self.rows[name]
             per_step[self.step] = per_step.get(self.step, 0) + args[0].shape[0]
+        return hook
+
+    def _fused_hook(self, name):
+        def hook(module, args):
+            counts = moe.expert_counts(args[1], module.num_experts).tolist()
+            for e, n in enumerate(counts):
+                per_step = self.rows[f"{name}[{e}]"]
+                per_step[self.step] = per_step.get(self.step, 0) + n
         return hook
 
     def remove(self):
@@ -366,4 +384,12 @@ CASES = {
                          ("query", "value"), loss=masks.wrapper_loss),
     "bert_positional": Case("bert_positional", tiny_bert, _lm, True, _hf_checkpointing,
                             ("query", "value"), loss=masks.positional_loss),
+    "mixtral": Case("mixtral", moe.tiny_mixtral, _lm, True, _hf_checkpointing,
+                    ("q_proj", "v_proj"), rows=moe.mixtral_rows),
+    "qwen2_moe": Case("qwen2_moe", moe.tiny_qwen2_moe, _lm, True, _hf_checkpointing,
+                      ("q_proj", "v_proj"), rows=moe.qwen2_moe_rows),
+    "aria": Case("aria", moe.tiny_aria, _lm, True, _hf_checkpointing, ("q_proj", "v_proj"),
+                 rows=moe.aria_rows),
+    "gpt_oss": Case("gpt_oss", moe.tiny_gpt_oss, _lm, True, _hf_checkpointing,
+                    ("q_proj", "v_proj"), rows=moe.gpt_oss_rows),
 }

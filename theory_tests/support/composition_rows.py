@@ -18,11 +18,14 @@ class TokenRows:
     else ``labels != -100``. ``SHIFTED_DECODER``: ``decoder_attention_mask``, else the mask
     ``EncoderDecoderModel`` builds itself from labels alone (its decoder's inputs are the
     labels shifted right after the start token, and its mask their non-pad positions: the
-    start token and every position after a real label)."""
+    start token and every position after a real label). ``flat``: the (B, T) tokens
+    flattened batch-major to (B*T,) rows (an MoE block's ``hidden_states.view(-1, H)``; a
+    fused experts module's routed pairs each take their token's entry)."""
 
     stream: str = ENCODER
     seq_first: bool = False
     only_if_fits: bool = False   # the mask wherever its shape happens to fit, else none
+    flat: bool = False
 
 
 def shape_coincidence(name):
@@ -95,6 +98,7 @@ def token_mask(rule, batch, name, lead):
     else:
         mask = _decoder_mask(batch, shifted=rows.stream == SHIFTED_DECODER)
     mask = mask.T if rows.seq_first else mask
+    mask = mask.reshape(-1) if rows.flat else mask
     if tuple(lead) != tuple(mask.shape):
         if rows.only_if_fits:
             return None

@@ -55,6 +55,16 @@ the owner alone forms the EMAs and decomposes them (factor memory and the O(d^3)
 divided among the ranks), gathers the gradient, computes V, and scatters every rank its
 rows. The KL-clip sum over layers becomes one scalar all-reduce of the owners' partial
 sums, so nu is the same on every rank.
+
+Fused mixture-of-experts projections (transformers 5's 3-D ``gate_up_proj`` / ``down_proj``,
+``layer.experts = E``) are E layers each: expert e has its own A_e, G_e from the rows of the
+pairs routed to it (N_e = its rows: G_e = N_e sum g g^T, exactly an ``nn.Linear`` expert fed
+them), its own EMA and counters ((E,) tensors: an expert routed no rows sits the update out
+with ``no_rows`` and keeps its factors), its own eigendecomposition (one batched ``eigh`` of
+the (E, d, d) stack; a failing matrix retries alone) and V_e, and its term in the KL clip's
+sum. The statistics are one batched product per shape (:mod:`.kfac_equations`), the sums
+travel with an (E,) tensor of per-expert counts, and under FSDP2 a stack goes whole to one
+owner.
 """
 import warnings
 
@@ -69,7 +79,7 @@ from ..mkor.fsdp import (FullGradients, OwnerGradients, check_supported_sharding
                          owner_map, owns)
 from ..mkor.wrapper import PreconditionedOptimizer
 from ..common.validation import check_choice, check_int, check_number
-from .kfac_equations import (decompose, grad_stat, input_stat, per_sample,
+from .kfac_equations import (decompose, decompose_stack, grad_stat, input_stat, per_sample,
                              preconditioned_gradient)
 
 __all__ = ["KFAC"]
@@ -77,7 +87,8 @@ __all__ = ["KFAC"]
 
 def _stack(layer):
     """() for one layer, (E,) for a stack of E experts (``layer.experts``)."""
-    return () if layer.experts is None else (layer.experts,)
+    E = getattr(layer, "experts", None)
+    return () if E is None else (E,)
 
 
 def _per_matrix(x):
@@ -87,7 +98,7 @@ def _per_matrix(x):
 
 def _all_finite(F, layer):
     """Whether F is finite: one flag, or one per expert of a stack."""
-    if layer.experts is None or F.dim() < 3:
+    if getattr(layer, "experts", None) is None or F.dim() < 3:
         return torch.isfinite(F).all()
     return torch.isfinite(F).flatten(-2).all(dim=-1)
 
@@ -242,7 +253,9 @@ class KFAC(PreconditionedOptimizer):
     @property
     def payload_bytes(self):
         """Bytes each rank sends per factor update (all-reduced, or reduced to the owners):
-        (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d layers) x itemsize."""
+        (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d layers) x itemsize, a stack
+        of E experts counting as E layers whose E row counts travel (E (d_in'^2 + d_out^2 + 1)
+        + 1 entries: its unused per-layer count slot included)."""
         return sum(packet.nbytes for *_, packet in self._routes)
 
     @property
@@ -253,10 +266,11 @@ class KFAC(PreconditionedOptimizer):
         return (torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64))
 
     def counters(self):
-        """{name: {...}} of 0-d tensors: accepted ``updates``, updates refused for
-        ``non_finite`` statistics or an ``overflow`` of the EMA, and updates sat out with
-        ``no_rows`` (no rows reached the layer, on any rank); for the layers whose state
-        this rank keeps (all but those another rank owns)."""
+        """{name: {...}} of 0-d tensors ((E,) for a stack of E experts: each expert's own):
+        accepted ``updates``, updates refused for ``non_finite`` statistics or an
+        ``overflow`` of the EMA, and updates sat out with ``no_rows`` (no rows reached the
+        layer -- the expert --, on any rank); for the layers whose state this rank keeps
+        (all but those another rank owns)."""
         keys = ("updates", "non_finite", "overflow", "no_rows")
         return {name: {k: s[k] for k in keys} for name, s in self._state.items() if s}
 
@@ -297,6 +311,10 @@ class KFAC(PreconditionedOptimizer):
                         key in own and saved[key].shape != own[key].shape):
                     raise ValueError(f"{name}.{key}: the saved factor does not fit this layer "
                                      "(a different model or max_factor_dim?)")
+            if saved["updates"].shape != own["updates"].shape:  # one layer vs a stack
+                raise ValueError(f"{name}: the saved counters of shape "
+                                 f"{tuple(saved['updates'].shape)} do not fit this layer's "
+                                 f"{tuple(own['updates'].shape)} (a stack of experts?)")
             dev = own["updates"].device
             loaded[name] = {k: _to_device(v, dev, self._dtype) for k, v in saved.items()}
         self._steps = state["steps"]
@@ -400,6 +418,9 @@ class KFAC(PreconditionedOptimizer):
             for key in ("A", "G"):
                 if key not in s:
                     continue
+                if s[key].dim() == 3:  # a stack of experts: every matrix its own
+                    self._decompose_stack(name, s, key)
+                    continue
                 result, attempts = decompose(s[key], self.damping, self.method)
                 self.decomposition_retries += attempts
                 if result is None:
@@ -410,6 +431,22 @@ class KFAC(PreconditionedOptimizer):
                     continue
                 s[("eig_" if self.method == "eigen" else "inv_") + key] = result
             s["decomposed"] = True
+
+    def _decompose_stack(self, name, s, key):
+        """A stack's factors (E, d, d) decomposed batched; an expert whose every attempt
+        fails keeps its previous decomposition (the identity's if none), as a layer of its
+        own would (:func:`~.kfac_equations.decompose_stack`): failures and retries count
+        per expert."""
+        entry = ("eig_" if self.method == "eigen" else "inv_") + key
+        result, attempts, failed = decompose_stack(s[key], self.damping, self.method,
+                                                   s.get(entry))
+        self.decomposition_retries += attempts
+        if failed:
+            self.decomposition_failures += len(failed)
+            warnings.warn(f"KFAC: decomposing {name}.{key} of the experts {failed} failed in "
+                          "float32, float64 and with extra damping; keeping their previous "
+                          "decomposition", RuntimeWarning)
+        s[entry] = result
 
     def _gradient_matrix(self, layer, grads):
         """G_hat = [grad W | grad b] in the factor dtype (a bias without a gradient: 0)."""

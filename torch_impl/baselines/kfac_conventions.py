@@ -89,8 +89,8 @@ def kfac_pytorch_scales(model, example_input, *, optimizer=None, skip_modules=()
 
     Raises:
         ValueError: a layer kfac-pytorch treats otherwise or not at all (a non-Linear /
-            Conv2d type, an ``nn.MultiheadAttention`` out-projection, a frozen bias, a
-            dilated or string-padded convolution, a factor side at the identity), or a
+            Conv2d type, fused experts, an ``nn.MultiheadAttention`` out-projection, a frozen
+            bias, a dilated or string-padded convolution, a factor side at the identity), or a
             layer not called exactly once by the forward.
     """
     found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
@@ -98,6 +98,9 @@ def kfac_pytorch_scales(model, example_input, *, optimizer=None, skip_modules=()
         module, why = layer.module, None
         if layer.kind == "mha_out":
             why = "an nn.MultiheadAttention out-projection (kfac-pytorch never sees its forward)"
+        elif getattr(layer, "experts", None) is not None:
+            why = (f"a fused stack of {layer.experts} experts (kfac-pytorch has no 3-D expert "
+                   "parameters, and each expert's rows would give it its own c_G)")
         elif not isinstance(module, (nn.Linear, nn.Conv2d)):
             why = f"{type(module).__name__} (kfac-pytorch registers nn.Linear and nn.Conv2d only)"
         elif module.bias is not None and not module.bias.requires_grad:

@@ -641,6 +641,9 @@ class Capture:
             ctx = self._context()
             replay = _in_backward()
             found = None if replay else self._layout(first, ctx, tags_of, lead)
+            device = inputs[0].device.type  # the rows are recomputed as the forward ran them
+            autocast = (device, torch.get_autocast_dtype(device),
+                        torch.is_autocast_enabled(device))
             if not replay:
                 for layer in layers:
                     self._captured(layer)
@@ -648,7 +651,8 @@ class Capture:
             def hook(grad):
                 try:
                     layout = self._replayed(first, ctx, lead, flat=True) if replay else found
-                    self._experts_rows(layers, module, inputs, grad, ctx, layout)
+                    with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):
+                        self._experts_rows(layers, module, inputs, grad, ctx, layout)
                 except Exception as exc:  # noqa: BLE001 - named, never swallowed
                     raise _named_error(first, exc) from exc
                 for layer in layers:

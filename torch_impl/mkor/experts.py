@@ -146,58 +146,70 @@ def _linear(x, weight, bias, transposed):
     return y if bias is None else y + bias
 
 
+def _by_expert(fn, rows, order, counts):
+    """``fn(e, rows of expert e)`` for every expert with pairs, put back in the pairs' order:
+    one product per expert on a contiguous run of the pairs sorted by expert."""
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(fn(e, rows[order[start:start + n]]))
+        start += n
+    if not parts:
+        return rows.new_zeros(0, 0)
+    sorted_out = torch.cat(parts)
+    out = sorted_out.new_empty(sorted_out.shape)
+    out[order] = sorted_out
+    return out
+
+
 def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
     """Every routed pair's rows of both projections, recomputed from the call's inputs and
     the gradient of its output (module docstring). Returns ``(token, expert, rows)``:
     ``token``, ``expert`` (S,) per pair in (token, slot) order, and ``rows`` a list of
-    ``(a, g)`` per projection (up, down), each (S, d). No graph is kept."""
+    ``(a, g)`` per projection (up, down), each (S, d). No graph is kept. The caller runs it
+    under the forward's autocast state, so the rows are the ones the forward multiplied."""
     if getattr(module, "_is_expert_parallel", False):
         raise ValueError("fused experts under expert parallelism (sentinel expert ids): the "
                          "rows of the experts this rank does not hold are not here")
     T, k = top_k_index.shape
     expert = top_k_index.reshape(-1)
     token = torch.arange(T, device=expert.device).repeat_interleave(k)
-    w = top_k_weights.reshape(-1, 1)
-    (up_name, up), (_, down) = expert_projections(module)
-    x = hidden.detach()[token]
+    (_, up), (_, down) = expert_projections(module)
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=module.num_experts).tolist()  # one host sync
-    h = x.new_empty(x.shape[0], up.weight.shape[2] if up.transposed else up.weight.shape[1])
-    start = 0
-    for e, n in enumerate(counts):  # contiguous runs of the pairs sorted by expert
-        if n:
-            rows = order[start:start + n]
-            h[rows] = _linear(x[rows], up.weight.detach()[e],
-                              None if up.bias is None else up.bias.detach()[e], up.transposed)
-        start += n
+
+    def weights(projection, e):
+        bias = None if projection.bias is None else projection.bias.detach()[e]
+        return projection.weight.detach()[e], bias
+
+    x = hidden.detach()[token]
+    h = _by_expert(lambda e, rows: _linear(rows, *weights(up, e), up.transposed),
+                   x, order, counts)
     with torch.enable_grad():
         h = h.requires_grad_()
         a2 = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        g_y = w.to(grad_out.dtype) * grad_out.detach()[token]
-        g_a2 = torch.empty_like(a2)
-        y = None
-        if module.has_post_expert_norm:
-            y = torch.empty(x.shape[0], down.weight.shape[2] if down.transposed else
-                            down.weight.shape[1], dtype=a2.dtype, device=a2.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = order[start:start + n]
-                W = down.weight.detach()[e]
-                if y is not None:
-                    y[rows] = _linear(a2.detach()[rows], W,
-                                      None if down.bias is None else down.bias.detach()[e],
-                                      down.transposed)
-            start += n
-        if y is not None:  # dL/dy through the norm applied after each expert
-            y = y.requires_grad_()
-            (g_y,) = torch.autograd.grad(module.post_expert_norm(y), y, g_y)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = order[start:start + n]
-                W = down.weight.detach()[e]
-                g_a2[rows] = g_y[rows] @ W.T if down.transposed else g_y[rows] @ W
-            start += n
-        (g_h,) = torch.autograd.grad(a2, h, g_a2)
-    return token, expert, [(x, g_h.detach()), (a2.detach(), g_y.detach())]
+        w = top_k_weights.reshape(-1, 1)
+        y_dtype = _product_dtype(a2, down.weight)
+        g_y = (w.to(grad_out.dtype) * grad_out.detach()[token]).to(y_dtype)
+        if module.has_post_expert_norm:  # dL/dy through the norm applied after each expert
+            y = _by_expert(lambda e, rows: _linear(rows, *weights(down, e), down.transposed),
+                           a2.detach(), order, counts).requires_grad_()
+            (g_y,) = torch.autograd.grad(module.post_expert_norm(y), y, g_y.to(y.dtype))
+        # dL/da2 = dL/dy W_down (the product's input gradient), then the gate's VJP
+        g_a2 = _by_expert(lambda e, rows: rows @ (down.weight.detach()[e].T if down.transposed
+                                                  else down.weight.detach()[e]),
+                          g_y.to(a2.dtype), order, counts)
+        (g_h,) = torch.autograd.grad(a2, h, g_a2.to(a2.dtype))
+    g_h = g_h.detach().to(_product_dtype(x, up.weight))
+    return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]
+
+
+def _product_dtype(rows, weight):
+    """The dtype of the forward's product rows @ W (before any bias): the autocast dtype
+    under autocast. The weight's gradient is formed from the gradient of that product, which
+    autograd rounds to it (a bf16 product plus a float32 bias: a float32 sum whose gradient
+    reaches the product in bf16)."""
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(rows.dtype, weight.dtype)
