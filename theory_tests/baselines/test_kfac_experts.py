@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from theory_tests.support.moe_twin import build_twin, fused_view, tiny_moe_models
+from theory_tests.support.moe_twin import lm_batch as _batch
 from torch_impl.baselines import KFAC
 from torch_impl.baselines import kfac_equations as ke
 from torch_impl.mkor.layers import LinearType
@@ -312,15 +313,6 @@ def _train(model, kfac, steps, padded=False, start=0):
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         kfac.step()
         kfac.zero_grad()
-
-
-def _batch(t, padded, size=2, seq=8):
-    g = torch.Generator().manual_seed(t)
-    ids = torch.randint(0, 64, (size, seq), generator=g)
-    mask = torch.ones(size, seq, dtype=torch.long)
-    if padded:
-        mask[1, 5:] = 0  # right padding, ignored by the loss
-    return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
 def test_state_dict_round_trip_continues_as_the_uninterrupted_run():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from theory_tests.support.moe_twin import build_twin, fused_view, tiny_moe_models
+from theory_tests.support.moe_twin import lm_batch as _batch
 
 pytest.importorskip("transformers")
 
@@ -18,15 +19,6 @@ from torch_impl import KFAC, MKOR  # noqa: E402
 
 f64 = torch.float64
 STEPS = 3
-
-
-def _batch(t, padded, size=2, seq=8):
-    g = torch.Generator().manual_seed(t)
-    ids = torch.randint(0, 64, (size, seq), generator=g)
-    mask = torch.ones(size, seq, dtype=torch.long)
-    if padded:
-        mask[1, 5:] = 0  # right padding, ignored by the loss
-    return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
 def _preconditioner(kind, model):

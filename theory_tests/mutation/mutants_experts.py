@@ -9,10 +9,11 @@ __all__ = ["EXPERTS_MUTANTS"]
 
 T_F, T_L = "torch_impl/mkor/factors.py", "torch_impl/mkor/layer_state.py"
 T_V, T_E = "torch_impl/mkor/vectors.py", "torch_impl/mkor/experts.py"
-T_C, T_P = "torch_impl/mkor/capture.py", "torch_impl/mkor/preconditioner.py"
+T_P = "torch_impl/mkor/preconditioner.py"
 T_DIST, T_SC = "torch_impl/mkor/distributed.py", "torch_impl/mkor/self_check.py"
 T_K, T_KE = "torch_impl/baselines/kfac.py", "torch_impl/baselines/kfac_equations.py"
 T_RP = "torch_impl/mkor/row_provenance.py"
+T_EC = "torch_impl/mkor/expert_capture.py"
 R_E = "reference/mkor/experts.py"
 
 EXPERTS_MUTANTS = {
@@ -31,7 +32,7 @@ EXPERTS_MUTANTS = {
         Mutant(T_E, "    return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]",
                "    return token, expert, [(x, g_h), (h.detach()[:, :a2.shape[1]], g_y.detach())]"),
         # the rows recomputed outside the forward's autocast (float32 rows of a bf16 forward)
-        Mutant(T_C, "with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):",
+        Mutant(T_EC, "with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):",
                "with torch.autocast(autocast[0], dtype=autocast[1], enabled=False):"),
         # the up projection's gradient rows taken after its float32 bias, not of its product
         Mutant(T_E, "    g_h = g_h.detach().to(_product_dtype(x, up.weight))\n",
@@ -51,9 +52,8 @@ EXPERTS_MUTANTS = {
         Mutant(T_L, "        finite_v = torch.isfinite(v).all(dim=-1)  # per expert for a stack",
                "        finite_v = torch.isfinite(v).all()"),
         # a pair's mask read in slot-major order instead of its token's
-        Mutant(T_C, "            mask = None if found.mask is None else found.mask.reshape(-1)[token]",
-               "            mask = None if found.mask is None else found.mask.reshape(-1).repeat("
-               "index.shape[1])"),
+        Mutant(T_EC, "            mask = None if found.mask is None else found.mask[token]",
+               "            mask = None if found.mask is None else found.mask.repeat(index.shape[1])"),
         # the per-expert counts lost on the wire: every expert divided by the stack's total
         Mutant(T_DIST, "                rows = sums[2]\n", "                rows = sums[2].sum()\n"),
         # the row tracker's mask cache keyed without the rows' shape: flattened rows (a MoE

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 __all__ = ["LAYOUT_FLAGS", "is_fused_experts", "fused_experts_modules", "TwinExperts",
            "build_twin", "set_unroute_mask", "fused_view", "twin_grads_as_fused",
-           "tiny_moe_models", "FAMILIES"]
+           "tiny_moe_models", "FAMILIES", "lm_batch"]
 
 #: what the decorator sets on every instance of a decorated experts class
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
@@ -303,3 +303,14 @@ def tiny_moe_models(families=FAMILIES, seed=0, num_layers=2, dtype=torch.float64
                         p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
         out[family] = (config, model)
     return out
+
+
+def lm_batch(t, padded, size=2, seq=8, vocab=64):
+    """(input_ids, attention_mask, labels) of step ``t``: random ids, and with ``padded`` the
+    second row right-padded after 5 tokens (mask 0, labels -100 there)."""
+    g = torch.Generator().manual_seed(t)
+    ids = torch.randint(0, vocab, (size, seq), generator=g)
+    mask = torch.ones(size, seq, dtype=torch.long)
+    if padded:
+        mask[1, 5:] = 0  # right padding, ignored by the loss
+    return ids, mask, ids.masked_fill(mask == 0, -100)

@@ -82,14 +82,15 @@ a forward hook on the attention module reads the projection's input from the aut
 that multiplies by ``out_proj.weight``, and the attention output's gradient supplies g.
 """
 import contextlib
-import math
 import warnings
 import weakref
 
 import torch
 
 from .eager_capture import EagerCaptureSteps
-from .experts import bind_expert_inputs, expert_rows
+from .expert_capture import ExpertsCapture
+from .hook_guards import (_UNKNOWN, CaptureError, _guarded, _in_backward, _named_error,
+                          _untracked)
 from .hook_objects import BoundHook, Gated
 from .row_provenance import RowsMask, rows_mask
 from .self_check import SelfCheck
@@ -107,12 +108,6 @@ def _silence_first_layer_warning():
     warnings.filterwarnings(
         "ignore", message="Full backward hook is firing when gradients are computed with "
         "respect to module outputs", category=UserWarning)
-
-
-def _in_backward():
-    """Whether a backward pass is running on this thread (a forward now is a checkpoint's
-    recompute). The autograd engine's graph-task id, as torch.utils.checkpoint reads it."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _reaches(fn, weight, depth=3):
@@ -181,18 +176,6 @@ def _checkpoint_nodes(output):
     return found
 
 
-def _guarded(layer, hook):
-    """``hook`` with any failure raised as an error that names the layer."""
-    def guarded(*args):
-        try:
-            return hook(*args)
-        except CaptureError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - named, never swallowed
-            raise _named_error(layer, exc) from exc
-    return guarded
-
-
 def _first_tensor(args, kwargs):
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -218,36 +201,10 @@ def _add(total, x):
     return x if total is None else total + x
 
 
-_UNKNOWN = object()  # a recompute whose forward call could not be identified
 _ALL_ROWS = RowsMask(None, "none")
 
 
-@contextlib.contextmanager
-def _untracked(ctx):
-    """Our own computations inside a hook stay out of the call's row tracker."""
-    tracker = ctx.tracker if ctx is not None and ctx is not _UNKNOWN else None
-    if tracker is None or not tracker.entered or \
-            torch.utils._python_dispatch._get_current_dispatch_mode() is not tracker:
-        yield
-        return
-    with torch.utils._python_dispatch._pop_mode_temporarily():
-        yield
-
-
-class CaptureError(RuntimeError):
-    """A hook could not capture a layer's statistics (the message names the layer)."""
-
-
-def _named_error(layer, exc):
-    if isinstance(exc, CaptureError):
-        return exc
-    return CaptureError(
-        f"MKOR/K-FAC: capturing the statistics of layer {layer.name!r} "
-        f"({type(layer.module).__name__}) failed: {type(exc).__name__}: {exc}. Pass "
-        f"skip_modules=[{layer.name!r}] to leave it to the backbone optimizer.")
-
-
-class Capture:
+class Capture(ExpertsCapture):
     """Hooks that accumulate per-layer statistics between resets.
 
     Args:
@@ -415,9 +372,8 @@ class Capture:
                 "it sits in the decoder of an encoder-decoder call that gave no decoder mask "
                 "(pass decoder_attention_mask or labels): all its rows are used")
 
-    def _replayed(self, layer, ctx, lead, flat=False):
-        """A reentrant recompute's layout: the one its grad-free first pass recorded
-        (``flat``: rows that read their mask flattened, as fused experts do)."""
+    def _replayed(self, layer, ctx, lead):
+        """A reentrant recompute's layout: the one its grad-free first pass recorded."""
         if ctx is _UNKNOWN:
             if self._masked_seen:
                 return RowsMask(None, "untied",
@@ -437,8 +393,7 @@ class Capture:
                             "recomputed by a reentrant checkpoint after running with "
                             f"{len(keys)} different row layouts in its first pass")
         found = layouts[0]
-        if found.mask is not None and (found.mask.numel() != math.prod(lead) if flat
-                                       else tuple(found.mask.shape) != tuple(lead)):
+        if found.mask is not None and tuple(found.mask.shape) != tuple(lead):
             return RowsMask(None, "untied", "its recomputed rows have another shape than "
                             "the first pass recorded")
         return found
@@ -593,73 +548,6 @@ class Capture:
                 return None if tag is None else tag[:-1]
             return (tag[0], tag[1]) if parent.batch_first else (tag[1], tag[0])
         return tags_of
-
-    def _experts_rows(self, layers, module, inputs, grad, ctx, found):
-        """Commit one call's statistics of both projections of a fused experts module from
-        the gradient of its output (:func:`~.experts.expert_rows`); ``found``: the layout of
-        the call's token rows, followed to each routed pair through its token."""
-        hidden, index, weights = inputs
-        with _untracked(ctx):
-            token, expert, rows = expert_rows(module, hidden, index, weights, grad)
-            mask = None if found.mask is None else found.mask.reshape(-1)[token]
-            checking = self.check.checking
-            for layer, (a, g) in zip(layers, rows):
-                self._note(layer, found, ctx)
-                sketch = self.check.sketch(layer, a, experts=expert) if checking else None
-                self._commit(layer, self._input(layer, a, mask, experts=expert), mask, g,
-                             sketch, experts=expert)
-
-    def _experts_hooks(self, layers):
-        """One forward hook on a fused experts module for its projections ``layers``: the
-        rows are recomputed in the gradient hook of the call's output, so a call that is
-        never back-propagated (a non-reentrant recompute) adds nothing, and a reentrant
-        recompute adds its call once, with the layout its first pass recorded."""
-        module = layers[0].module.experts
-        first = layers[0]
-
-        def experts_hook(module, args, kwargs, output):
-            state = self._active(module)
-            if state is None or not isinstance(output, torch.Tensor):
-                return
-            if state == "eval":
-                if output.requires_grad:
-                    self.eval_seen.update(layer.name for layer in layers)
-                return
-            inputs = bind_expert_inputs(module, args, kwargs)
-            hidden = inputs[0]
-            lead = tuple(hidden.shape[:-1])
-
-            def tags_of(tracker):
-                tag = tracker.tag_of(hidden)
-                return None if tag is None or len(tag) < 2 else tag[:-1]
-            if state == "first pass":
-                for layer in layers:
-                    self._first_pass(layer, tags_of, lead)
-                return
-            if not output.requires_grad:
-                return
-            ctx = self._context()
-            replay = _in_backward()
-            found = None if replay else self._layout(first, ctx, tags_of, lead)
-            device = inputs[0].device.type  # the rows are recomputed as the forward ran them
-            autocast = (device, torch.get_autocast_dtype(device),
-                        torch.is_autocast_enabled(device))
-            if not replay:
-                for layer in layers:
-                    self._captured(layer)
-
-            def hook(grad):
-                try:
-                    layout = self._replayed(first, ctx, lead, flat=True) if replay else found
-                    with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):
-                        self._experts_rows(layers, module, inputs, grad, ctx, layout)
-                except Exception as exc:  # noqa: BLE001 - named, never swallowed
-                    raise _named_error(first, exc) from exc
-                for layer in layers:
-                    self._committed(layer, counted=not replay)
-            output.register_hook(hook)
-
-        return [(module, "forward", _guarded(first, experts_hook))]
 
     def _make_hooks(self, layer):
         """[(target module, kind, hook)] for ``layer``."""
