@@ -30,6 +30,7 @@ class MARSConfig:
     clip_scope: str = "tensor"
     orthogonalizer: str = "newton_schulz"
     ns_steps: int = 5
+    ns_coefficients: object = "authors"  # (M13a): a triple, a sequence of them, or a name
     weight_decay_1d_source: str = "constructor"
     matrix_batch_dims: int = 0  # leading dims of a stack that index its matrices (issue 31)
 
@@ -100,7 +101,8 @@ class MARSReference:
         if kind == "shampoo":  # (M12) on each matrix of a stack, with that matrix's s
             return over_matrices(
                 lambda p_i, m_i: shampoo_step(p_i, m_i, self.lr, b1, cfg.eps, cfg.weight_decay,
-                                              cfg.orthogonalizer, cfg.ns_steps),
+                                              cfg.orthogonalizer, cfg.ns_steps,
+                                              ns_coefficients=cfg.ns_coefficients),
                 self._batch_dims(p), p, m)
         # mars-adamw, and the non-2-D tensors of mars-shampoo with optimize_1d
         v = self.exp_avg_sq[i] = second_moment(self.exp_avg_sq[i], c, b2)

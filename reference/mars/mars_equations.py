@@ -9,11 +9,12 @@ issue 31) is its matrices: every matrix equation applies to each on its own
 """
 import numpy as np
 
-from ..common.matrix_functions import newton_schulz, orthogonalize_svd, over_matrices
+from ..common.matrix_functions import (gram_newton_schulz, newton_schulz, orthogonalize_svd,
+                                       over_matrices)
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
-ORTHOGONALIZERS = ("newton_schulz", "svd")
+ORTHOGONALIZERS = ("newton_schulz", "svd", "gram_newton_schulz")
 WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
 
 
@@ -109,23 +110,27 @@ def shape_scale(shape):
     return max(1.0, rows / cols) ** 0.5 if cols else 1.0
 
 
-def shampoo_direction(m, beta1, eps, orthogonalizer="newton_schulz", ns_steps=5):
-    r"""(M11)/(M12)  u = s O(m / (1 - beta1)), O = NS (official, with the optimizer's eps) or
-    U V^T (paper).  The 1/(1-beta1) prescale changes nothing up to eps: both maps are
-    scale invariant."""
+def shampoo_direction(m, beta1, eps, orthogonalizer="newton_schulz", ns_steps=5,
+                      ns_coefficients="authors"):
+    r"""(M11)/(M12)  u = s O(m / (1 - beta1)), O = NS (official, with the optimizer's eps; its
+    schedule ``ns_coefficients``, M13a), NS through the Gram matrix (M13b) or U V^T (paper).
+    The 1/(1-beta1) prescale changes nothing up to eps: all three maps are scale invariant."""
     scaled = m / (1.0 - beta1)
     if orthogonalizer == "svd":
         direction = orthogonalize_svd(scaled)
+    elif orthogonalizer == "gram_newton_schulz":
+        direction = gram_newton_schulz(scaled, steps=ns_steps, eps=eps,
+                                       coefficients=ns_coefficients)
     else:
-        direction = newton_schulz(scaled, steps=ns_steps, eps=eps)
+        direction = newton_schulz(scaled, steps=ns_steps, eps=eps, coefficients=ns_coefficients)
     return shape_scale(m.shape) * direction
 
 
 def shampoo_step(p, m, lr, beta1, eps, weight_decay, orthogonalizer="newton_schulz", ns_steps=5,
-                 scale=None):
+                 scale=None, ns_coefficients="authors"):
     r"""(M12): p <- p - lr (s O(m / (1 - beta1)) + lambda p); ``scale`` replaces s (a matrix
     stored transposed gives the s of its true shape)."""
-    u = shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps)
+    u = shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_coefficients)
     if scale is not None:
         u = u * (scale / shape_scale(m.shape))
     return decoupled_step(p, u, lr, weight_decay)

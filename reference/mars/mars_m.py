@@ -20,6 +20,8 @@ class MARSMConfig:
     weight_decay: float = 0.1
     momentum: float = 0.95
     ns_steps: int = 5
+    ns_coefficients: object = "authors"  # (M13a): a triple, a sequence of them, or a name
+    orthogonalizer: str = "newton_schulz"  # or "gram_newton_schulz" (M13b)
     gamma: float = 0.025
     clip_c: bool = True
     is_approx: bool = True
@@ -80,7 +82,7 @@ class MARSMReference:
             m = efficient_argument(buf, g, cfg.gamma, cfg.momentum)
         else:
             m = buf = mars_m_momentum(buf, g, g_prev, cfg.gamma, cfg.momentum, cfg.clip_c)
-        o = mars_m_direction(m, cfg.ns_steps)
+        o = mars_m_direction(m, cfg.ns_steps, cfg.ns_coefficients, cfg.orthogonalizer)
         return mars_m_step(p, o, self.lr, cfg.weight_decay, match_rms_scale(p.shape)), buf
 
 

@@ -9,7 +9,7 @@ together in the official code's order.
 import numpy as np
 
 from .mars_equations import clip_tensor, corrected_gradient, momentum
-from ..common.matrix_functions import newton_schulz
+from ..common.matrix_functions import gram_newton_schulz, newton_schulz
 
 RULES = ("mars_m", "adamw")
 MARS_M_NS_EPS = 1e-7  # the authors' Newton-Schulz eps (not the AdamW eps)
@@ -27,10 +27,15 @@ def mars_m_momentum(m, g, g_prev, gamma, beta, clip=True):
     return momentum(m, clip_tensor(c) if clip else c, beta)
 
 
-def mars_m_direction(m, ns_steps=5):
+def mars_m_direction(m, ns_steps=5, ns_coefficients="authors", orthogonalizer="newton_schulz"):
     r"""(M16)  O = NS5(M) with eps 1e-7 (the authors normalise after the transpose; in exact
-    arithmetic that is the same matrix, ||X^T||_F = ||X||_F)."""
-    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS)
+    arithmetic that is the same matrix, ||X^T||_F = ||X||_F), its steps' coefficients
+    ``ns_schedule(ns_coefficients)`` (M13a); ``orthogonalizer="gram_newton_schulz"``: the same
+    iteration through the Gram matrix (M13b)."""
+    if orthogonalizer == "gram_newton_schulz":
+        return gram_newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS,
+                                  coefficients=ns_coefficients)
+    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, coefficients=ns_coefficients)
 
 
 def mars_m_step(p, o, lr, weight_decay, scale):

@@ -44,8 +44,9 @@ ORACLE_ONLY = {
     "baselines.kfac": {"damped_inverse", "eigen_decompose", "eigen_precondition",
                        "eigen_precondition_from", "ema", "inverse_precondition",
                        "kfac_factors", "kl_clip"},
-    # the quintic's coefficients as a function; the port inlines them in its loop
-    "common.matrix_functions": {"quintic"},
+    # the quintic's coefficients as a function; the port inlines them in its loop.  Polar
+    # Express's offline stage (Remez, the greedy schedule): the port holds its output table
+    "common.matrix_functions": {"quintic", "optimal_quintic", "polar_express_coefficients"},
 }
 TORCH_ONLY = {
     # reading transformers' experts modules (detection, layout, inputs): structure, not math
@@ -56,6 +57,8 @@ TORCH_ONLY = {
     "mars.mars_equations": {"adamw_rule", "lion_rule", "resolve_hyperparameters",
                             "with_bias_corrections", "global_norm"},
     "mars.mars_m_equations": {"resolve_hyperparameters"},
+    # grouping same-shape tensors into one batched call: dispatch, not an equation
+    "common.matrix_functions": {"orthogonalize_by_shape"},
     # the rows' sums the vectors are means of, kept apart so distributed capture can add them
     # over ranks before dividing
     "mkor.vectors": {"conv2d_grad_sum", "conv2d_input_sum", "grad_row_sum", "input_row_sum",

@@ -79,6 +79,24 @@ def check_betas(name, betas):
         check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True, tensor=True)
 
 
+def check_ns_coefficients(value, orthogonalizer, ns_dtype):
+    """``ns_coefficients`` (M13a): a schedule name, one (a, b, c) triple or a sequence of them,
+    every coefficient finite; and ``orthogonalizer="gram_newton_schulz"`` not in float16, whose
+    range the unnormalised X X^T (the Gram form normalises after it) overflows at entries
+    beyond ~2^8 -- bfloat16 has float32's range."""
+    import math
+
+    from .matrix_functions import ns_schedule
+    steps = 1 if isinstance(value, str) or not hasattr(value, "__len__") else len(value)
+    schedule = ns_schedule(value, max(steps, 1))  # raises a ValueError naming ns_coefficients
+    if not all(math.isfinite(x) for t in schedule for x in t):
+        raise ValueError(f"ns_coefficients: every coefficient must be finite, got {value!r}")
+    if orthogonalizer == "gram_newton_schulz" and ns_dtype == torch.float16:
+        raise ValueError("orthogonalizer: 'gram_newton_schulz' forms X X^T before normalising, "
+                         "which overflows float16; use ns_dtype=torch.bfloat16 (float32's "
+                         "range) or float32")
+
+
 def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")

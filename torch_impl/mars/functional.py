@@ -31,7 +31,8 @@ from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
                                 efficient_argument, efficient_buffer_, mars_m_direction,
                                 mars_m_momentum_, mars_m_step_, match_rms_scale,
                                 resolve_hyperparameters)
-from ..common.sharding import ORTHOGONALIZE_ON, orthogonalize_on_owners, owner_eligible
+from ..common.matrix_functions import orthogonalize_by_shape
+from ..common.sharding import ORTHOGONALIZE_ON, is_dtensor, orthogonalize_on_owners
 from ..common.tensor_ops import FOREACH, SINGLE
 from ..common.validation import check_choice, check_int
 from .functional_checks import check_lists
@@ -57,7 +58,7 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
          *, lr, betas, eps, weight_decay, amsgrad, gamma, lr_1d_factor, betas_1d,
          weight_decay_1d, weight_decay_1d_source="constructor", clip_scope="tensor",
          orthogonalizer="newton_schulz", ns_steps=5, ns_dtype=torch.bfloat16,
-         shampoo_scales=None, maximize=False, foreach=None, compiled=False,
+         ns_coefficients="authors", shampoo_scales=None, maximize=False, foreach=None, compiled=False,
          write_last_grad=True, global_clip_norm=None, orthogonalize_on="owner",
          matrix_batch_dims=0):
     r"""One MARS step (M1-M14) over parallel lists; see ``torch_impl.MARS`` for the algorithm.
@@ -108,7 +109,8 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
                max_exp_avg_sqs if amsgrad else [None] * len(params), last_grads]
     if shampoo_scales is None:
         shampoo_scales = [None] * len(params)
-    shampoo = dict(orthogonalizer=orthogonalizer, ns_steps=ns_steps, ns_dtype=ns_dtype)
+    shampoo = dict(orthogonalizer=orthogonalizer, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                   ns_coefficients=ns_coefficients)
     if compiled:
         eager = [i for i, k in enumerate(kinds) if k == F.SHAMPOO]  # matmul-bound: stays eager
         fused = [i for i, k in enumerate(kinds) if k != F.SHAMPOO]
@@ -123,11 +125,11 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     if foreach is None:
         foreach = default_foreach(params)
     run = _multi_tensor_mars if foreach else _single_tensor_mars
-    deferred = [] if orthogonalize_on == "owner" else None
+    deferred = []  # the Shampoo matrices, orthogonalised together after the loop
     run(buffers, state_steps, kinds, hypers, clip_scope, global_clip_norm, write_last_grad,
         shampoo, shampoo_scales, deferred, dims)
     if deferred:
-        _owner_shampoo_steps_(deferred, shampoo)
+        _shampoo_steps_(deferred, shampoo, orthogonalize_on)
 
 
 def _take(xs, idx):
@@ -193,29 +195,33 @@ def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, 
 
 
 def _shampoo_step_(p, m, h, scale, shampoo, deferred):
-    """(M12) now, or -- a sharded matrix in owner mode (``deferred`` is a list) -- later, with
-    every other such matrix of the call, in one owner-rank exchange (``_owner_shampoo_steps_``).
-    The update of p needs only its own m, so the order of the tensors does not matter."""
-    if deferred is not None and owner_eligible(m):
+    """(M12) later, with every other Shampoo matrix of the call (``_shampoo_steps_``): the
+    update of p needs only its own m, so the order of the tensors does not matter."""
+    if p.numel():
         deferred.append((p, m, h, scale))
-    else:
-        F.shampoo_step_(p, m, h, scale=scale, **shampoo)
 
 
-def _owner_shampoo_steps_(deferred, shampoo):
-    """(M11)-(M13) for the deferred matrices: each O(m / (1 - beta1)) on its owner rank
-    (``sharding.orthogonalize_on_owners``), then every rank's update of its own shards.
-    beta1 and eps are the route's (one ``Hyper`` per call; bias corrections do not enter)."""
+def _shampoo_steps_(deferred, shampoo, orthogonalize_on):
+    """(M11)-(M13) for the deferred matrices: O(m / (1 - beta1)) of the sharded ones on their
+    owner ranks (owner mode, ``sharding.orthogonalize_on_owners``), of the rest in one batched
+    call per shape (``orthogonalize_by_shape``; DTensors in every-rank mode one by one), then
+    each update.  beta1 and eps are the route's (one ``Hyper`` per call; bias corrections do
+    not enter the direction)."""
     h = deferred[0][2]
     direction = functools.partial(F.shampoo_direction, beta1=h.beta1, eps=h.eps, **shampoo)
-    directions = orthogonalize_on_owners(direction, [m for _, m, _, _ in deferred])
+    ms = [m for _, m, _, _ in deferred]
+    directions = (orthogonalize_on_owners(direction, ms) if orthogonalize_on == "owner"
+                  else [None] * len(ms))
+    rest = [i for i, d in enumerate(directions) if d is None]
+    for i, d in zip(rest, orthogonalize_by_shape(direction, [ms[i] for i in rest])):
+        directions[i] = d
     for (p, m, h, scale), d in zip(deferred, directions):
         F.shampoo_step_(p, m, h, scale=scale, direction=d, **shampoo)
 
 
 def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, state_steps,
            kinds, *, lr, weight_decay, momentum, gamma, ns_steps=5, ns_dtype=torch.bfloat16,
-           clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
+           ns_coefficients="authors", orthogonalizer="newton_schulz", clip_c=True, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, shape_scales=None,
            maximize=False, foreach=None, compiled=False, write_last_grad=True,
            orthogonalize_on="owner", matrix_batch_dims=0):
     r"""One MARS-M step (M15-M18 and the AdamW backup) over parallel lists.
@@ -258,9 +264,10 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
         foreach = default_foreach(params)
     columns = list(zip(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs,
                        state_steps, kinds, shape_scales))
+    ns = dict(ns_steps=ns_steps, ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
+              orthogonalizer=orthogonalizer)
     if compiled:
-        mars_m_compiled.update(columns, hypers, clip_c, ns_steps, ns_dtype, write_last_grad,
-                               matrix_batch_dims)
+        mars_m_compiled.update(columns, hypers, clip_c, ns, write_last_grad, matrix_batch_dims)
         return
     for kind in (MATRIX, EFFICIENT, BACKUP):
         rows = [r for r in columns if r[7] == kind]
@@ -269,12 +276,16 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
         if kind == BACKUP:
             _mars_m_backup(rows, hypers[kind], foreach)
         else:
-            _mars_m_matrices(rows, hypers[kind], kind, clip_c, ns_steps, ns_dtype, foreach,
-                             write_last_grad, orthogonalize_on, matrix_batch_dims)
+            _mars_m_matrices(rows, hypers[kind], kind, clip_c, ns, foreach, write_last_grad,
+                             orthogonalize_on, matrix_batch_dims)
 
 
-def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_last,
-                     orthogonalize_on="owner", matrix_batch_dims=0):
+def _mars_m_matrices(rows, h, kind, clip, ns, foreach, write_last, orthogonalize_on="owner",
+                     matrix_batch_dims=0):
+    """(M15)-(M18) for the matrices: the momenta, then every Newton-Schulz of the call -- the
+    sharded matrices' on their owner ranks (owner mode), the rest in one batched call per
+    shape (``orthogonalize_by_shape``) -- then the updates.  ``ns``: ``mars_m_direction``'s
+    keywords."""
     ps, gs, bufs, lasts = ([r[i] for r in rows] for i in range(4))
     if kind == EFFICIENT:
         if foreach:
@@ -289,13 +300,18 @@ def _mars_m_matrices(rows, h, kind, clip, ns_steps, ns_dtype, foreach, write_las
         args = [mars_m_momentum_(b, g, last, h, clip, SINGLE, matrix_batch_dims)
                 for b, g, last in zip(bufs, gs, lasts)]
     live = [(p, m, r) for p, m, r in zip(ps, args, rows) if p.numel()]
+    direction = functools.partial(mars_m_direction, **ns)
     owned = [None] * len(live)
     if orthogonalize_on == "owner":  # sharded matrices: each NS once, on its owner rank
-        direction = functools.partial(mars_m_direction, ns_steps=ns_steps, ns_dtype=ns_dtype)
-        owned = orthogonalize_on_owners(direction, [m for _, m, _ in live], out_dtype=ns_dtype)
-    for (p, m, r), o in zip(live, owned):  # Newton-Schulz: one matrix function per matrix
+        owned = orthogonalize_on_owners(direction, [m for _, m, _ in live],
+                                        out_dtype=ns["ns_dtype"])
+    rest = [i for i, o in enumerate(owned) if o is None]
+    cast = [live[i][1] if is_dtensor(live[i][1]) else live[i][1].to(ns["ns_dtype"])
+            for i in rest]  # NS casts first: stacking the cast halves the copy (bf16)
+    for i, o in zip(rest, orthogonalize_by_shape(direction, cast)):
+        owned[i] = o
+    for (p, m, r), o in zip(live, owned):
         scale = match_rms_scale(p.shape[-2:]) if r[8] is None else r[8]  # each matrix's (A, B)
-        o = mars_m_direction(m, ns_steps, ns_dtype) if o is None else o
         mars_m_step_(p, o, h._replace(scale=scale))
     if write_last and kind == MATRIX:  # the raw g_t, copied (never an alias of p.grad)
         if foreach:

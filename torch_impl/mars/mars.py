@@ -10,12 +10,12 @@ from . import mars_equations as F
 from ..common.sharding import ORTHOGONALIZE_ON
 from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
-    check_int, check_matrix_batch_dims, check_number as _check_number, \
+    check_int, check_matrix_batch_dims, check_ns_coefficients, check_number as _check_number, \
     check_torch_flags as _check_torch_flags, tensor_scalar
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
-ORTHOGONALIZERS = ("newton_schulz", "svd")
+ORTHOGONALIZERS = ("newton_schulz", "svd", "gram_newton_schulz")
 WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
 SHAPE_LAYOUTS = ("out_in", "in_out")
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -85,9 +85,16 @@ class MARS(Optimizer):
     Keyword-only (the documented deviations; ``paper_notes/mars.md``):
         clip_scope: ``"tensor"`` (official), ``"global"`` (paper: one norm over every MARS tensor
             of every group with this scope) or ``"none"``.
-        orthogonalizer: ``"newton_schulz"`` (official) or ``"svd"`` (paper's UV^T).
+        orthogonalizer: ``"newton_schulz"`` (official), ``"svd"`` (paper's UV^T) or
+            ``"gram_newton_schulz"`` (M13b: the same iteration on the n x n Gram matrix of a
+            rectangular matrix; nearly square ones, aspect <= 1.5, keep the standard one; not
+            with ``ns_dtype=torch.float16``).  The matrices of one shape are orthogonalised
+            in one batched call (``paper_notes/orthogonalisation.md``).
         ns_steps (int): Newton-Schulz steps. Default 5.
         ns_dtype: dtype of the Newton-Schulz iteration. Default ``torch.bfloat16`` (official).
+        ns_coefficients: each Newton-Schulz step's (a, b, c) (M13a): ``"authors"`` (default),
+            ``"polar_express"``, one triple (as ``torch.optim.Muon`` takes it) or a sequence of
+            triples, one per step (the last repeats).
         weight_decay_1d_source: ``"constructor"`` (official: ``weight_decay_1d``) or
             ``"group"`` (the group's ``weight_decay``).
         state_dtype: the dtype the state (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
@@ -164,7 +171,8 @@ class MARS(Optimizer):
                  amsgrad=False, gamma=0.025, is_approx=True, mars_type="mars-adamw",
                  optimize_1d=False, lr_1d=3e-3, betas_1d=(0.9, 0.95), weight_decay_1d=0.1, *,
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
-                 ns_dtype=torch.bfloat16, weight_decay_1d_source="constructor",
+                 ns_dtype=torch.bfloat16, ns_coefficients="authors",
+                 weight_decay_1d_source="constructor",
                  state_dtype=None, maximize=False, foreach=None, compiled=False,
                  shape_layout="out_in", orthogonalize_on="owner", matrix_batch_dims=0,
                  fused=None, capturable=False, differentiable=False):
@@ -180,7 +188,8 @@ class MARS(Optimizer):
                         lr_1d_factor=lr_1d / lr_value if lr_value > 0 else 0.0,
                         betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
-                        ns_dtype=ns_dtype, weight_decay_1d_source=weight_decay_1d_source,
+                        ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
+                        weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, maximize=maximize, foreach=foreach,
                         compiled=compiled, shape_layout=shape_layout,
                         orthogonalize_on=orthogonalize_on, matrix_batch_dims=matrix_batch_dims,
@@ -287,7 +296,7 @@ class MARS(Optimizer):
                 weight_decay_1d_source=group["weight_decay_1d_source"],
                 clip_scope=group["clip_scope"], orthogonalizer=group["orthogonalizer"],
                 ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"],
-                maximize=group["maximize"], foreach=group["foreach"],
+                ns_coefficients=group["ns_coefficients"], maximize=group["maximize"], foreach=group["foreach"],
                 compiled=group["compiled"], write_last_grad=not exact, global_clip_norm=total,
                 shampoo_scales=w.scales, orthogonalize_on=group["orthogonalize_on"],
                 matrix_batch_dims=group["matrix_batch_dims"])
@@ -458,6 +467,7 @@ def _validate_group(g):
     _check_choice("orthogonalizer", g["orthogonalizer"], ORTHOGONALIZERS)
     _check_choice("weight_decay_1d_source", g["weight_decay_1d_source"], WEIGHT_DECAY_1D_SOURCES)
     _check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    check_ns_coefficients(g["ns_coefficients"], g["orthogonalizer"], g["ns_dtype"])
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     check_matrix_batch_dims(g, F.matrix_batch_dims_of)

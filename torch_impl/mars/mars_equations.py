@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common.matrix_functions import newton_schulz, orthogonalize_svd
+from ..common.matrix_functions import gram_newton_schulz, newton_schulz, orthogonalize_svd
 from ..common.scalars import step_scalar
 from ..common.tensor_ops import SINGLE
 
@@ -262,15 +262,20 @@ def lion_step_(p, m, h, ops=SINGLE):
     ops.add_scaled_(p, ops.sign(m), -h.lr)
 
 
-def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype):
-    r"""(M11)/(M12)  O(m / (1 - beta1)): Newton-Schulz with the optimizer's eps, or U V^T."""
+def shampoo_direction(m, beta1, eps, orthogonalizer, ns_steps, ns_dtype,
+                      ns_coefficients="authors"):
+    r"""(M11)/(M12)  O(m / (1 - beta1)): Newton-Schulz with the optimizer's eps (its schedule
+    ``ns_coefficients``, M13a), the same through the Gram matrix (M13b), or U V^T.  A batch of
+    same-shape matrices (..., A, B): each one's own O."""
     scaled = m * (1.0 / (1.0 - beta1))
     if orthogonalizer == "svd":
         return orthogonalize_svd(scaled)
-    return newton_schulz(scaled, steps=ns_steps, eps=eps, dtype=ns_dtype)
+    ns = gram_newton_schulz if orthogonalizer == "gram_newton_schulz" else newton_schulz
+    return ns(scaled, steps=ns_steps, eps=eps, dtype=ns_dtype, coefficients=ns_coefficients)
 
 
-def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None, direction=None):
+def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None, direction=None,
+                  ns_coefficients="authors"):
     r"""(M12)  p <- p (1 - lr wd) - lr s O(m / (1 - beta1)); ``scale`` overrides s = s(p.shape)
     (a parameter stored transposed, e.g. transformers' Conv1D, gives its true shape); a stack
     of matrices (..., A, B) takes the s of its A x B matrices and O of each.
@@ -279,7 +284,8 @@ def shampoo_step_(p, m, h, orthogonalizer, ns_steps, ns_dtype, scale=None, direc
     if p.numel() == 0:  # nothing to orthogonalize (and an empty SVD has no max)
         return
     if direction is None:
-        direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype)
+        direction = shampoo_direction(m, h.beta1, h.eps, orthogonalizer, ns_steps, ns_dtype,
+                                      ns_coefficients)
     SINGLE.decay_(p, h.lr, h.weight_decay)
     if scale is None and p.ndim > 2:  # a stack: its matrices' s, not the stack's shape's
         scale = shape_scale(p.shape[-2:])

@@ -10,11 +10,12 @@ from . import mars_m_equations as M
 from .functional import mars_m
 from ..common.sharding import ORTHOGONALIZE_ON
 from ..common.validation import (check_betas, check_choice, check_int, check_matrix_batch_dims,
-                                 check_number, check_torch_flags)
+                                 check_ns_coefficients, check_number, check_torch_flags)
 
 RULES = ("auto", "mars_m", "adamw")
 SHAPE_LAYOUTS = ("out_in", "in_out")
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+ORTHOGONALIZERS = ("newton_schulz", "gram_newton_schulz")
 
 
 class MARSM(Optimizer):
@@ -66,6 +67,16 @@ class MARSM(Optimizer):
         efficient (bool): the ``MARS_M_Efficient`` recursion (M18): no ``last_grad`` buffer,
             no clip, approx mode only. Default ``False``.
         ns_dtype: Newton-Schulz dtype. Default ``torch.bfloat16`` (the authors').
+        ns_coefficients: the (a_k, b_k, c_k) of each Newton-Schulz step (M13a): ``"authors"``
+            (default: 3.4445, -4.7750, 2.0315 at every step), ``"polar_express"`` (Amsel et
+            al.'s per-step minimax quintics), one triple (every step, as
+            ``torch.optim.Muon``'s ``ns_coefficients``) or a sequence of triples (step k takes
+            the k-th, the last repeats).
+        orthogonalizer: ``"newton_schulz"`` (default) or ``"gram_newton_schulz"`` (M13b): the
+            same iteration on the n x n Gram matrix of a rectangular matrix, two rectangular
+            products per restart block instead of two per step; nearly square matrices
+            (aspect <= 1.5) keep the standard one.  Not with ``ns_dtype=torch.float16``.
+            Accuracy and cost: ``paper_notes/orthogonalisation.md``.
         shape_layout: ``"out_in"`` or ``"in_out"`` (transformers' ``Conv1D``): the scale
             0.2 sqrt(max(A, B)) is symmetric, so this only documents the layout; kept for
             symmetry with ``MARS``.
@@ -88,8 +99,9 @@ class MARSM(Optimizer):
             or ``"every_rank"`` (all-gather each matrix; every rank runs every one). Same
             result; plain tensors are unaffected; ``compiled=True`` keeps ``"every_rank"``.
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
-        compiled (bool): one ``torch.compile``d call per tensor (``mars_m_compiled.py``; the
-            same equation functions), fusing the correction with Newton-Schulz and the update.
+        compiled (bool): one ``torch.compile``d call per shape (``mars_m_compiled.py``; the
+            same equation functions), fusing the corrections with one batched Newton-Schulz
+            and the updates.  Eager steps batch the Newton-Schulz of same-shape matrices too.
         fused (None or False), capturable (False), differentiable (False): accepted and stored
             in every group, as other ``torch.optim`` optimizers take them; ``True`` raises a
             ValueError naming the keyword, in the constructor and in any group dict.
@@ -111,12 +123,13 @@ class MARSM(Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, ns_steps=5,
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
-                 shape_layout="out_in", maximize=False, foreach=None, compiled=False,
+                 ns_coefficients="authors", orthogonalizer="newton_schulz", shape_layout="out_in", maximize=False, foreach=None, compiled=False,
                  orthogonalize_on="owner", matrix_batch_dims=0, fused=None, capturable=False,
                  differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                         gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
+                        ns_coefficients=ns_coefficients, orthogonalizer=orthogonalizer,
                         shape_layout=shape_layout, maximize=maximize, foreach=foreach,
                         compiled=compiled, orthogonalize_on=orthogonalize_on,
                         matrix_batch_dims=matrix_batch_dims, fused=fused,
@@ -183,7 +196,8 @@ class MARSM(Optimizer):
                    lr=group["lr"], weight_decay=group["weight_decay"],
                    momentum=group["momentum"], gamma=group["gamma"],
                    ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"],
-                   clip_c=group["clip_c"], adamw_betas=group["adamw_betas"],
+                   ns_coefficients=group["ns_coefficients"],
+                   orthogonalizer=group["orthogonalizer"], clip_c=group["clip_c"], adamw_betas=group["adamw_betas"],
                    adamw_eps=group["adamw_eps"], maximize=group["maximize"],
                    foreach=group["foreach"], compiled=group["compiled"],
                    orthogonalize_on=group["orthogonalize_on"], write_last_grad=not exact,
@@ -275,6 +289,8 @@ def _validate_group(g):
     check_betas("adamw_betas", g["adamw_betas"])
     check_choice("rule", g["rule"], RULES)
     check_choice("ns_dtype", g["ns_dtype"], NS_DTYPES)
+    check_choice("orthogonalizer", g["orthogonalizer"], ORTHOGONALIZERS)
+    check_ns_coefficients(g["ns_coefficients"], g["orthogonalizer"], g["ns_dtype"])
     check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     for flag in ("clip_c", "is_approx", "efficient", "maximize"):

@@ -1,33 +1,44 @@
-"""The ``compiled=True`` path of ``MARSM``: one ``torch.compile``d call per matrix (correction,
-clip, momentum, Newton-Schulz and the update) and per backup tensor, built from the equation
-functions of ``mars_m_equations`` with the ``COMPILED`` ops table (no second copy of the math).
+"""The ``compiled=True`` path of ``MARSM``: one ``torch.compile``d call per group of same-shape
+matrices (correction, clip, momentum, one batched Newton-Schulz and the updates) and per backup
+tensor, built from the equation functions of ``mars_m_equations`` with the ``COMPILED`` ops
+table (no second copy of the math).
 
 Everything that changes between steps (lr, bias corrections) enters as data: the route's
 ``Hyper`` record from the one resolver packed into one tensor (``Hyper.packed``), the shape
-scale too (one record per distinct scale), read by name (``Hyper.unpack``), so neither a schedule, the step count nor
-a new matrix size recompiles once both orientations have been seen.  A stack of matrices
-(``matrix_batch_dims``) is stepped matrix by matrix, one call per matrix on views of the
-stack (``mars_compiled.each_matrix``): each exactly as a 2-D parameter, and clear of the
-Inductor CPU bug that a per-matrix norm fused with a 3-D in-place update meets (torch 2.13).
+scale too (one record per distinct scale), read by name (``Hyper.unpack``), so neither a
+schedule nor the step count recompiles; a new shape or group size compiles once.  A stack of
+matrices (``matrix_batch_dims``) enters as its matrices, views of the stack
+(``mars_compiled.each_matrix``), grouped with every other matrix of their shape: each is
+stepped exactly as a 2-D parameter, and clear of the Inductor CPU bug that a per-matrix norm
+fused with a 3-D in-place update meets (torch 2.13).
 """
 import torch
 
 from . import mars_compiled
 from . import mars_m_equations as M
+from ..common.matrix_functions import BATCH_NUMEL
 from ..common.tensor_ops import COMPILED
 
-def matrix_kernel(p, g, last, buf, hp, clip: bool, write_last: bool, efficient: bool,
-                  ns_steps: int, ns_dtype: torch.dtype):
-    r"""(M15)-(M18) for one matrix."""
+
+def matrix_kernel(ps, gs, lasts, bufs, hp, clip: bool, write_last: bool, efficient: bool,
+                  ns_steps: int, ns_dtype: torch.dtype, ns_coefficients, orthogonalizer: str):
+    r"""(M15)-(M18) for a list of same-shape matrices: each one's momentum, one batched
+    Newton-Schulz of them all (each matrix on its own), each one's update."""
     h = M.F.Hyper.unpack(hp)
-    if efficient:
-        M.efficient_buffer_(buf, g, h.gamma, h.beta1, COMPILED)
-        m = M.efficient_argument(buf, g, h.gamma, h.beta1, COMPILED)
-    else:
-        m = M.mars_m_momentum_(buf, g, last, h, clip, COMPILED)
-    M.mars_m_step_(p, M.mars_m_direction(m, ns_steps, ns_dtype), h, COMPILED)
+    ms = []
+    for g, last, buf in zip(gs, lasts, bufs):
+        if efficient:
+            M.efficient_buffer_(buf, g, h.gamma, h.beta1, COMPILED)
+            m = M.efficient_argument(buf, g, h.gamma, h.beta1, COMPILED)
+        else:
+            m = M.mars_m_momentum_(buf, g, last, h, clip, COMPILED)
+        ms.append(m.to(ns_dtype))
+    o = M.mars_m_direction(torch.stack(ms), ns_steps, ns_dtype, ns_coefficients, orthogonalizer)
+    for i, p in enumerate(ps):
+        M.mars_m_step_(p, o[i], h, COMPILED)
     if write_last:
-        last.copy_(g)
+        for last, g in zip(lasts, gs):
+            last.copy_(g)
 
 
 def backup_kernel(p, g, m, v, hp):
@@ -35,11 +46,13 @@ def backup_kernel(p, g, m, v, hp):
     M.backup_adamw_step_(p, g, m, v, M.F.Hyper.unpack(hp), COMPILED)
 
 
-def update(rows, hypers, clip, ns_steps, ns_dtype, write_last, matrix_batch_dims=0):
-    """Every row (p, g, buf, last, m1, m2, step, kind, scale) of one group, one compiled call
-    each (per matrix of a stack: ``matrix_batch_dims`` leading dims).  ``hypers``: each
-    kind's ``Hyper``, from the resolver."""
-    cache = {}
+def update(rows, hypers, clip, ns, write_last, matrix_batch_dims=0):
+    """Every row (p, g, buf, last, m1, m2, step, kind, scale) of one group: one compiled call
+    per backup tensor and per batch of same-(kind, shape, dtype, device, scale) matrices (a
+    stack's matrices among them: ``matrix_batch_dims`` leading dims), batches of at most
+    ``BATCH_NUMEL`` elements.  ``hypers``: each kind's ``Hyper``, from the resolver; ``ns``:
+    ``mars_m_direction``'s keywords."""
+    cache, groups = {}, {}
     for p, g, buf, last, m1, m2, k, kind, scale in rows:
         h = hypers[kind]
         dtype = torch.promote_types(p.dtype, torch.float32)
@@ -56,7 +69,15 @@ def update(rows, hypers, clip, ns_steps, ns_dtype, write_last, matrix_batch_dims
             cache[key] = h._replace(scale=s).packed(p.device, dtype)
         if not p.numel():
             continue
-        for p, g, last, buf in mars_compiled.each_matrix(matrix_batch_dims, p, g, last, buf):
+        batch = groups.setdefault(key + (tuple(p.shape[-2:]), p.dtype), [[]])
+        for row in mars_compiled.each_matrix(matrix_batch_dims, p, g, last, buf):
+            if batch[-1] and (len(batch[-1]) + 1) * p.shape[-2:].numel() > BATCH_NUMEL:
+                batch.append([])
+            batch[-1].append(row)
+    for key, batches in groups.items():
+        for batch in batches:
+            ps, gs, lasts, bufs = (list(column) for column in zip(*batch))
             mars_compiled.compiled(matrix_kernel)(
-                p, g, last, buf, cache[key], clip, write_last and kind == M.MATRIX,
-                kind == M.EFFICIENT, ns_steps, ns_dtype)
+                ps, gs, lasts, bufs, cache[key[:4]], clip, write_last and key[0] == M.MATRIX,
+                key[0] == M.EFFICIENT, ns["ns_steps"], ns["ns_dtype"], ns["ns_coefficients"],
+                ns["orthogonalizer"])

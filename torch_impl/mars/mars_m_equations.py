@@ -10,7 +10,7 @@ clipped, scaled and orthogonalised matrix by matrix, as k = 0's 2-D tensors are.
 """
 
 from . import mars_equations as F
-from ..common.matrix_functions import newton_schulz
+from ..common.matrix_functions import gram_newton_schulz, newton_schulz
 from ..common.tensor_ops import SINGLE
 
 MATRIX, EFFICIENT, BACKUP = "mars_m", "mars_m_efficient", "adamw"
@@ -52,11 +52,16 @@ def mars_m_momentum_(m, g, last, h, clip, ops=SINGLE, matrix_batch_dims=0):
     return F.momentum_(m, c, h.beta1, ops)
 
 
-def mars_m_direction(m, ns_steps, ns_dtype):
+def mars_m_direction(m, ns_steps, ns_dtype, ns_coefficients="authors",
+                     orthogonalizer="newton_schulz"):
     r"""(M16)  O = NS5(M) as the authors compute it: cast to ``ns_dtype``, transpose if tall,
-    normalise by ||X||_F + 1e-7, five quintic steps; O stays in ``ns_dtype``.  A stack
-    (..., A, B): each matrix's own O (its own norm)."""
-    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)
+    normalise by ||X||_F + 1e-7, five quintic steps (their coefficients ``ns_coefficients``,
+    M13a); O stays in ``ns_dtype``.  ``orthogonalizer="gram_newton_schulz"``: the same
+    iteration through the Gram matrix (M13b).  A batch or stack (..., A, B): each matrix's own
+    O (its own norm)."""
+    ns = gram_newton_schulz if orthogonalizer == "gram_newton_schulz" else newton_schulz
+    return ns(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, coefficients=ns_coefficients,
+              cast_first=True)
 
 
 def mars_m_step_(p, o, h, ops=SINGLE):
