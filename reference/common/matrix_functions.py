@@ -62,8 +62,11 @@ def ns_schedule(coefficients, steps):
             return polar_express_coefficients(steps)
         raise ValueError(f"ns_coefficients: expected one of {NS_SCHEDULES}, a triple (a, b, c) "
                          f"or a sequence of triples, got {coefficients!r}")
-    triples = [tuple(float(x) for x in t) for t in (
-        [coefficients] if np.ndim(coefficients) == 1 else coefficients)]
+    try:  # one triple of numbers, or a sequence of triples
+        flat = len(coefficients) == 3 and all(np.ndim(x) == 0 for x in coefficients)
+        triples = [tuple(float(x) for x in t) for t in ([coefficients] if flat else coefficients)]
+    except TypeError:
+        triples = []
     if not triples or any(len(t) != 3 for t in triples):
         raise ValueError(f"ns_coefficients: expected (a, b, c) triples, got {coefficients!r}")
     return tuple(triples[min(k, len(triples) - 1)] for k in range(steps))

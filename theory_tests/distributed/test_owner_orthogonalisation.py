@@ -52,6 +52,12 @@ CASES = {  # name -> (class, options); every case runs in owner mode, some in bo
     # Newton-Schulz's result in another dtype than the parameter's (the exchange sends it
     # back as float32): equal to the unsharded run up to float32 rounding
     "mars-m-float32-ns": (MARSM, dict(gamma=0.3, ns_dtype=torch.float32)),
+    # issue 32's options through the owner exchange ((3, 7) takes the Gram form)
+    "shampoo-gram-polar-express": (MARS, dict(mars_type="mars-shampoo",
+                                              orthogonalizer="gram_newton_schulz",
+                                              ns_coefficients="polar_express")),
+    "mars-m-gram-polar-express": (MARSM, dict(gamma=0.3, orthogonalizer="gram_newton_schulz",
+                                              ns_coefficients="polar_express")),
 }
 TOLERANCE = collections.defaultdict(lambda: 1e-12, {"mars-m-float32-ns": 1e-5})
 BOTH_MODES = ("shampoo-ns", "mars-m")
@@ -119,8 +125,8 @@ def _exchange_cases(mesh, world):
     plain = torch.randn(3, 3, generator=g, dtype=F64)
     replicated = distribute_tensor(fulls[1], mesh, [Replicate()])
 
-    def fn(M):
-        return M.cumsum(0).cumsum(1)
+    def fn(M):  # each matrix of a batch on its own
+        return M.cumsum(-2).cumsum(-1)
 
     out = {"local_rows": [tuple(s.to_local().shape) for s in sharded]}
     with sharding.record_orthogonalisation() as record:
@@ -135,6 +141,18 @@ def _exchange_cases(mesh, world):
     out["single"] = (single[0].dtype,
                      (single[0].full_tensor() - fn(fulls[1]).float()).abs().sum().item())
     out["computed"] = record.computed
+    # same-shape matrices: the owner runs one batched call per shape (issue 32)
+    same = [torch.randn(6, 5, generator=g, dtype=F64) for _ in range(2 * world)]
+    calls = []
+
+    def batched(M):
+        calls.append(tuple(M.shape))
+        return fn(M)
+    results = sharding.orthogonalize_on_owners(
+        batched, [distribute_tensor(f, mesh, [Shard(0)]) for f in same])
+    out["batched_calls"] = calls
+    out["batched_diff"] = max((r.full_tensor() - fn(f)).abs().max().item()
+                              for r, f in zip(results, same))
     return out
 
 
@@ -244,6 +262,15 @@ def test_exchange_equals_function_of_full_matrix(ranks, world):
     assert sorted(computed) == sorted([(1, 4), (6, 5), (2, 9), (3, 7), (4, 1), (5, 2), (6, 5)])
     rows = [res["exchange"]["local_rows"] for res in ranks(world)]
     assert any(0 in (s[0] * s[1] for s in r) for r in rows)  # (1, 4) leaves ranks empty
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_owner_orthogonalises_its_same_shape_matrices_in_one_call(ranks, world):
+    """2 x world matrices of one shape, equal cost: LPT gives each rank two, and each rank
+    makes one batched call of both, equal to fn of each full matrix."""
+    for res in ranks(world):
+        assert res["exchange"]["batched_calls"] == [(2, 6, 5)]
+        assert res["exchange"]["batched_diff"] < 1e-12
 
 
 # -- the owner map and the cost model (no processes) ----------------------------------------

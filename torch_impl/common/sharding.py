@@ -217,10 +217,11 @@ def _owner_exchange(fn, Ms, mesh, out_dtype):
         [[shards[j] for j in range(len(Ms)) if owners[j] == dst] for dst in range(world)],
         [[(layouts[j].piece_shape(src), in_dtypes[j]) for j in mine] for src in range(world)],
         mesh, shards[0].device)
-    outs = []
-    for k, j in enumerate(mine):  # 2. the owner's whole matrices
-        full = torch.cat([received[src][k] for src in range(world)], dim=layouts[j].dim)
-        out = fn(full)
+    from .matrix_functions import orthogonalize_by_shape  # (a module that imports this one)
+    fulls = [torch.cat([received[src][k] for src in range(world)], dim=layouts[j].dim)
+             for k, j in enumerate(mine)]
+    outs = []  # 2. the owner's whole matrices, one batched call per shape
+    for j, out in zip(mine, orthogonalize_by_shape(fn, fulls)):
         if tuple(out.shape) != layouts[j].shape or out.dtype != out_dtypes[j]:
             raise RuntimeError(f"orthogonalize_on='owner': fn returned {tuple(out.shape)} "
                                f"{out.dtype} for a {layouts[j].shape} matrix, expected "
