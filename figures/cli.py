@@ -51,12 +51,13 @@ how each tolerance was derived: figures/README.md, section "Reproducibility"."""
 # figures in parallel.
 QUICK_SECONDS = {"shakespeare_gpt": 338, "budget_scan": 65, "mnist1d_mlp": 57, "digits_cnn": 28,
                  "bert_mlm": 22, "rank1_approximation": 15, "cost": 9, "noisy_quadratic": 8,
-                 "variance_reduction": 6}
+                 "variance_reduction": 6, "orthogonalisers": 30}
 # Figures whose runs are trained in --jobs parts by parallel_figures (every run of theirs goes
 # through common.run_curves): the char-GPT alone would take longer than all the others.
 SPLIT = ("shakespeare_gpt",)
 FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
-           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan")
+           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan",
+           "orthogonalisers")
 
 
 def parser():

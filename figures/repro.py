@@ -158,6 +158,7 @@ REPRO = {
     "budget_scan": Repro(wide=(("tuning_val_loss", 1.0),), json_timings=("wall_s", "notes"),
                          why="sweep points: 0.25 of their curve's seed sd, so 1 sd; the "
                              "reported runs 0.04 sd; its swept lrs are compared exactly"),
+    "orthogonalisers": Repro(why="PLACEHOLDER"),
 }
 
 

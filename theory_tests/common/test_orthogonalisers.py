@@ -21,6 +21,7 @@ import torch
 
 from reference.common import matrix_functions as R
 from torch_impl.common import matrix_functions as T
+from torch_impl.common.sharding import BATCH_NUMEL, orthogonalize_by_shape
 
 F64 = torch.float64
 
@@ -265,7 +266,7 @@ def _mixed(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fn", ["newton_schulz", "gram_newton_schulz", "orthogonalize_svd"])
-@pytest.mark.parametrize("max_numel", [T.BATCH_NUMEL, 600])
+@pytest.mark.parametrize("max_numel", [BATCH_NUMEL, 600])
 def test_batched_by_shape_is_the_per_matrix_result_bit_for_bit(dtype, fn, max_numel):
     """CPU matmuls of a batch equal the per-slice ones bit for bit (measured, torch 2.13), so
     the batched call is asserted equal, not close."""
@@ -278,12 +279,12 @@ def test_batched_by_shape_is_the_per_matrix_result_bit_for_bit(dtype, fn, max_nu
     def counted(M):
         calls.append(tuple(M.shape))
         return f(M)
-    batched = T.orthogonalize_by_shape(counted, ms, max_numel=max_numel)
+    batched = orthogonalize_by_shape(counted, ms, max_numel=max_numel)
     for M, out in zip(ms, batched):
         assert out.shape == M.shape
         assert torch.equal(out, f(M)) if fn != "orthogonalize_svd" else \
             torch.allclose(out, f(M), atol=1e-5)
-    if max_numel == T.BATCH_NUMEL:  # (8, 32) x 6 matrices in one call, (16, 8) x 2 in one
+    if max_numel == BATCH_NUMEL:  # (8, 32) x 6 matrices in one call, (16, 8) x 2 in one
         assert sorted(calls) == sorted([(6, 8, 32), (32, 8), (5, 5), (0, 4), (2, 16, 8)])
     else:  # at most 600 elements a call (a bigger tensor alone)
         assert all(np.prod(c) <= 600 or len(c) == 3 and c[0] <= 3 for c in calls)

@@ -16,6 +16,7 @@ from .mutants_figures_repro import FIGURES_REPRO_MUTANTS
 from .mutants_experts import EXPERTS_MUTANTS
 from .mutants_kfac_experts import KFAC_EXPERTS_MUTANTS
 from .mutants_matrix_batch import MATRIX_BATCH_MUTANTS
+from .mutants_orthogonalisers import ORTHOGONALISER_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -530,7 +531,7 @@ MUTANTS = {
 # A row both families prove (PORT-DCP) takes the mutants of both lists.
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS,
                 LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS, EXPERTS_MUTANTS,
-                MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS):
+                MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS, ORTHOGONALISER_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

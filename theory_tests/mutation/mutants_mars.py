@@ -222,15 +222,15 @@ MARS_MUTANTS = {
                '        m = M.mars_m_momentum_(buf, g, last, h._replace(gamma=h.beta1), clip, COMPILED)', tests=COMPILED_MARS_M),
     ],
     "M16": [
-        Mutant(R_MM_EQ, "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS)",
-               "    return newton_schulz(m, steps=ns_steps, eps=1e-8)"),
+        Mutant(R_MM_EQ, "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, coefficients=ns_coefficients)",
+               "    return newton_schulz(m, steps=ns_steps, eps=1e-8, coefficients=ns_coefficients)"),
         Mutant(T_NS, "        X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)",
                "        X = X / torch.linalg.matrix_norm(X, keepdim=True)"),
-        Mutant(T_MF, "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=True)",
-               "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, dtype=ns_dtype, cast_first=False)"),
+        Mutant(T_MF, "              cast_first=True)",
+               "              cast_first=False)"),
         # the compiled matrix kernel called with one Newton-Schulz step too few
-        Mutant(T_MC, "                kind == M.EFFICIENT, ns_steps, ns_dtype)",
-               "                kind == M.EFFICIENT, ns_steps - 1, ns_dtype)", tests=COMPILED_MARS_M),
+        Mutant(T_MC, '                key[0] == M.EFFICIENT, ns["ns_steps"], ns["ns_dtype"], ns["ns_coefficients"],',
+               '                key[0] == M.EFFICIENT, ns["ns_steps"] - 1, ns["ns_dtype"], ns["ns_coefficients"],', tests=COMPILED_MARS_M),
     ],
     "M17": [
         Mutant(R_MM_EQ, "    return p * (1.0 - lr * weight_decay) - lr * scale * o",
@@ -254,8 +254,7 @@ MARS_MUTANTS = {
         Mutant(T_MM, '    __init__ = functools.partialmethod(MARS_M.__init__, efficient=True)',
                '    __init__ = functools.partialmethod(MARS_M.__init__, efficient=False)'),
         # the compiled efficient kernel orthogonalizes the buffer instead of gamma g + beta buf
-        Mutant(T_MC, '    M.mars_m_step_(p, M.mars_m_direction(m, ns_steps, ns_dtype), h, COMPILED)',
-               '    M.mars_m_step_(p, M.mars_m_direction(buf, ns_steps, ns_dtype), h, COMPILED)',
+        Mutant(T_MC, '        ms.append(m.to(ns_dtype))', '        ms.append(buf.to(ns_dtype))',
                tests=COMPILED_MARS_M),
     ],
     # ---------------------------------------------------------------- (M19), (M20): reductions
@@ -333,10 +332,11 @@ MARS_MUTANTS = {
         # the uneven split off by one
         Mutant(T_SH, "    chunk = -(-n // world_size)", "    chunk = n // world_size"),
         # the shards joined in the wrong order
-        Mutant(T_SH, "        full = torch.cat([received[src][k] for src in range(world)], dim=layouts[j].dim)",
-               "        full = torch.cat([received[src][k] for src in reversed(range(world))], dim=layouts[j].dim)"),
+        Mutant(T_SH, "    fulls = [torch.cat([received[src][k] for src in range(world)], dim=layouts[j].dim)",
+               "    fulls = [torch.cat([received[src][k] for src in reversed(range(world))], dim=layouts[j].dim)"),
         # MARS's owner mode silently every-rank; MARS-M's modes swapped
-        Mutant(T_FN, '    deferred = [] if orthogonalize_on == "owner" else None', "    deferred = None"),
+        Mutant(T_FN, '    directions = (orthogonalize_on_owners(direction, ms) if orthogonalize_on == "owner"',
+               '    directions = (orthogonalize_on_owners(direction, ms) if False'),
         Mutant(T_FN, '    if orthogonalize_on == "owner":  # sharded matrices: each NS once, on its owner rank',
                '    if orthogonalize_on != "owner":  # sharded matrices: each NS once, on its owner rank'),
         # the precomputed direction ignored

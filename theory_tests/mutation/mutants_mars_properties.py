@@ -101,13 +101,13 @@ MARS_PROPERTY_MUTANTS = {
         Mutant(R_MARS_EQ, "    return beta1 * m + (1.0 - beta1) * c", "    return beta1 * m - (1.0 - beta1) * c"),
     ],
     "MT13(a)": [
-        Mutant(R_NS, "    X = M / (np.linalg.norm(M) + eps)", "    X = M / (1.0 + eps)"),
+        Mutant(R_NS, "    X = M / (np.linalg.norm(M) + eps)\n    tall = M.shape[0] > M.shape[1]\n    if tall:\n        X = X.T\n    for a, b, c in ns_schedule", "    X = M / (1.0 + eps)\n    tall = M.shape[0] > M.shape[1]\n    if tall:\n        X = X.T\n    for a, b, c in ns_schedule"),
         Mutant(T_NS, "        X = (M / (torch.linalg.matrix_norm(M, keepdim=True) + eps)).to(dtype)",
                "        X = (M / (M.abs().amax() + eps)).to(dtype)"),
     ],
     "MT13(b)": [
-        Mutant(R_NS, "    for _ in range(steps):\n        Q = X @ X.T", "    for _ in range(steps - 1):\n        Q = X @ X.T"),
-        Mutant(T_NS, "    for _ in range(steps):  # b Q X", "    for _ in range(steps + 1):  # b Q X"),
+        Mutant(R_NS, "    for a, b, c in ns_schedule(coefficients, steps):\n        Q = X @ X.T", "    for a, b, c in ns_schedule(coefficients, steps)[:-1]:\n        Q = X @ X.T"),
+        Mutant(T_NS, "    for a, b, c in schedule:  # b Q X", "    for a, b, c in schedule + schedule[-1:]:  # b Q X"),
     ],
     "MT13(c)": [
         Mutant(R_NS, "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)", "NS_COEFFICIENTS = (3.4445, -4.7750, 2.3015)"),
@@ -118,7 +118,7 @@ MARS_PROPERTY_MUTANTS = {
         Mutant(R_NS, "    return a * s + b * s**3 + c * s**5", "    return a * s + b * s**2 + c * s**5"),
     ],
     "MT13(e)": [
-        Mutant(R_NS, "    return X.T if tall else X", "    return X"),
+        Mutant(R_NS, "        X = a * X + (b * Q + c * (Q @ Q)) @ X\n    return X.T if tall else X", "        X = a * X + (b * Q + c * (Q @ Q)) @ X\n    return X"),
         Mutant(T_NS, "    if tall:\n        X = X.mT\n    return X if cast_first", "    return X if cast_first"),
     ],
     "MT13(f)": [

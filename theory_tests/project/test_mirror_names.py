@@ -57,8 +57,6 @@ TORCH_ONLY = {
     "mars.mars_equations": {"adamw_rule", "lion_rule", "resolve_hyperparameters",
                             "with_bias_corrections", "global_norm"},
     "mars.mars_m_equations": {"resolve_hyperparameters"},
-    # grouping same-shape tensors into one batched call: dispatch, not an equation
-    "common.matrix_functions": {"orthogonalize_by_shape"},
     # the rows' sums the vectors are means of, kept apart so distributed capture can add them
     # over ranks before dividing
     "mkor.vectors": {"conv2d_grad_sum", "conv2d_input_sum", "grad_row_sum", "input_row_sum",

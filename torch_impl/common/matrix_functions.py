@@ -2,7 +2,7 @@
 reference/common/matrix_functions.py.
 
 Each accepts a matrix or a batch of same-shape matrices (..., A, B), so that equal-shape
-parameters share one batched call (``orthogonalize_by_shape``), and a stack of matrices (fused
+parameters share one batched call (``sharding.orthogonalize_by_shape``), and a stack of matrices (fused
 MoE experts, one (E, A, B) parameter; ``matrix_batch_dims``, issue 31) is orthogonalised
 matrix by matrix: the normalisation, the transpose of tall matrices and the iteration are each
 matrix's own.  ``newton_schulz`` takes a per-step coefficient schedule (``ns_schedule``: the
@@ -190,44 +190,6 @@ def gram_newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=
     if M.size(-2) > M.size(-1):
         X = X.mT
     return X if cast_first else X.to(M.dtype)
-
-
-BATCH_NUMEL = 1 << 26  # one batched call stacks at most this many elements (256 MiB in fp32)
-
-
-def orthogonalize_by_shape(fn, matrices, max_numel=BATCH_NUMEL):
-    """``[fn(M) for M in matrices]`` with the matrices of one shape (and dtype, device) in one
-    batched call: plain tensors of shape (..., A, B) are grouped by (A, B), their matrices
-    stacked into one (n, A, B) batch (a copy; batches of at most ``max_numel`` elements, so
-    that the copy stays bounded), ``fn`` called once per batch and the results split back as
-    views.  A shape met once is called on its own (no copy).  ``fn`` must treat each matrix
-    of a batch on its own (``newton_schulz``, ``gram_newton_schulz`` and ``orthogonalize_svd``
-    do), so the result is the per-matrix one; sharded tensors (DTensor) are left to ``fn`` one
-    by one (their owner-rank path batches the whole matrices it gathers)."""
-    out = [None] * len(matrices)
-    groups = {}
-    for i, M in enumerate(matrices):
-        if is_dtensor(M) or M.dim() < 2 or M.numel() == 0:
-            out[i] = fn(M)
-        else:
-            groups.setdefault((tuple(M.shape[-2:]), M.dtype, M.device), []).append(i)
-    for idx in groups.values():
-        batches, size = [[]], 0
-        for i in idx:  # consecutive runs of at most max_numel elements (a larger tensor alone)
-            if batches[-1] and size + matrices[i].numel() > max_numel:
-                batches.append([])
-                size = 0
-            batches[-1].append(i)
-            size += matrices[i].numel()
-        for batch in batches:
-            if len(batch) == 1:
-                out[batch[0]] = fn(matrices[batch[0]])
-                continue
-            flat = [matrices[i].reshape(-1, *matrices[i].shape[-2:]) for i in batch]
-            results = fn(torch.cat(flat)).split([f.size(0) for f in flat])
-            for i, r in zip(batch, results):
-                out[i] = r.reshape(*matrices[i].shape[:-2], *r.shape[-2:])
-    return out
 
 
 def orthogonalize_svd(M):

@@ -50,7 +50,7 @@ import torch
 
 __all__ = ["ORTHOGONALIZE_ON", "is_dtensor", "on_full_matrix", "holds_whole_matrices",
            "on_local_matrices", "on_matrices", "owner_eligible",
-           "orthogonalize_on_owners", "assign_owners", "ns_flops", "shard_sizes",
+           "orthogonalize_on_owners", "orthogonalize_by_shape", "assign_owners", "ns_flops", "shard_sizes",
            "exchange_bytes", "record_orthogonalisation", "OrthogonalisationRecord"]
 
 ORTHOGONALIZE_ON = ("owner", "every_rank")
@@ -61,6 +61,44 @@ def is_dtensor(x):
     package: if nobody imported it, nothing can be a DTensor."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
+
+
+BATCH_NUMEL = 1 << 26  # one batched call stacks at most this many elements (256 MiB in fp32)
+
+
+def orthogonalize_by_shape(fn, matrices, max_numel=BATCH_NUMEL):
+    """``[fn(M) for M in matrices]`` with the matrices of one shape (and dtype, device) in one
+    batched call: plain tensors of shape (..., A, B) are grouped by (A, B), their matrices
+    stacked into one (n, A, B) batch (a copy; batches of at most ``max_numel`` elements, so
+    that the copy stays bounded), ``fn`` called once per batch and the results split back as
+    views.  A shape met once is called on its own (no copy).  ``fn`` must treat each matrix
+    of a batch on its own (``newton_schulz``, ``gram_newton_schulz`` and ``orthogonalize_svd``
+    do), so the result is the per-matrix one; sharded tensors (DTensor) are left to ``fn`` one
+    by one (their owner-rank path batches the whole matrices it gathers)."""
+    out = [None] * len(matrices)
+    groups = {}
+    for i, M in enumerate(matrices):
+        if is_dtensor(M) or M.dim() < 2 or M.numel() == 0:
+            out[i] = fn(M)
+        else:
+            groups.setdefault((tuple(M.shape[-2:]), M.dtype, M.device), []).append(i)
+    for idx in groups.values():
+        batches, size = [[]], 0
+        for i in idx:  # consecutive runs of at most max_numel elements (a larger tensor alone)
+            if batches[-1] and size + matrices[i].numel() > max_numel:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += matrices[i].numel()
+        for batch in batches:
+            if len(batch) == 1:
+                out[batch[0]] = fn(matrices[batch[0]])
+                continue
+            flat = [matrices[i].reshape(-1, *matrices[i].shape[-2:]) for i in batch]
+            results = fn(torch.cat(flat)).split([f.size(0) for f in flat])
+            for i, r in zip(batch, results):
+                out[i] = r.reshape(*matrices[i].shape[:-2], *r.shape[-2:])
+    return out
 
 
 def on_full_matrix(fn, M, *args, **kwargs):
@@ -217,7 +255,6 @@ def _owner_exchange(fn, Ms, mesh, out_dtype):
         [[shards[j] for j in range(len(Ms)) if owners[j] == dst] for dst in range(world)],
         [[(layouts[j].piece_shape(src), in_dtypes[j]) for j in mine] for src in range(world)],
         mesh, shards[0].device)
-    from .matrix_functions import orthogonalize_by_shape  # (a module that imports this one)
     fulls = [torch.cat([received[src][k] for src in range(world)], dim=layouts[j].dim)
              for k, j in enumerate(mine)]
     outs = []  # 2. the owner's whole matrices, one batched call per shape

@@ -31,8 +31,8 @@ from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
                                 efficient_argument, efficient_buffer_, mars_m_direction,
                                 mars_m_momentum_, mars_m_step_, match_rms_scale,
                                 resolve_hyperparameters)
-from ..common.matrix_functions import orthogonalize_by_shape
-from ..common.sharding import ORTHOGONALIZE_ON, is_dtensor, orthogonalize_on_owners
+from ..common.sharding import (ORTHOGONALIZE_ON, is_dtensor, orthogonalize_by_shape,
+                               orthogonalize_on_owners)
 from ..common.tensor_ops import FOREACH, SINGLE
 from ..common.validation import check_choice, check_int
 from .functional_checks import check_lists

@@ -16,7 +16,7 @@ import torch
 
 from . import mars_compiled
 from . import mars_m_equations as M
-from ..common.matrix_functions import BATCH_NUMEL
+from ..common.sharding import BATCH_NUMEL
 from ..common.tensor_ops import COMPILED
 
 
