@@ -18,11 +18,10 @@ where a bf16 matmul without bf16 matrix units is emulated many times slower and 
 would time the emulation.
 """
 import argparse
-import json
 
 import torch
 
-from figures.bench.optimizer_step import interleaved
+from figures.bench.optimizer_step import emit_json, interleaved
 from torch_impl import MARS, MARSM
 
 __all__ = ["stacks", "bench", "main"]
@@ -99,11 +98,7 @@ def main(argv=None):
               "torch": torch.__version__, "repeats": args.repeats, "experts": args.experts,
               "rows": args.rows, "cols": args.cols, "ns_dtype": ns_name,
               "step_seconds": times, "stacked_over_separate": ratios}
-    text = json.dumps(report)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    emit_json(report, args.json)
     return report
 
 

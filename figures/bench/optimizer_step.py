@@ -270,6 +270,16 @@ def bench_memory(device):
     return out
 
 
+def emit_json(report, path=None):
+    """Print the report as one JSON line (the last line a script prints) and, with ``path``,
+    write it there too."""
+    text = json.dumps(report)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def _table(title, times, reference):
     lines = [f"\n{title}", "| contender | median (ms) | / " + reference + " |", "|---|---|---|"]
     for name, t in times.items():
@@ -363,11 +373,7 @@ def main(argv=None):
             print(f"| {name} | {m['state_bytes_per_param']:.1f} | "
                   f"{m['peak_temporary_bytes_per_param']:.2f} | "
                   f"{m['peak_temporary_over_largest_param']:.2f} |")
-    text = json.dumps(report)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    emit_json(report, args.json)
 
 
 if __name__ == "__main__":

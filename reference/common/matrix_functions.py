@@ -158,6 +158,17 @@ def gram_pays(rows, cols, steps, restarts=None):
     return min(rows, cols) > 0 and gram < standard
 
 
+def shifted_gram(X, shift, restart=False):
+    """(M13b) The Gram matrix ``gram_newton_schulz`` starts a block from, Y = X X^T lifted
+    by a multiple of I: s ||Y||_F for the first block (the worst case of Y's round-off,
+    ||E||_2 <= s ||Y||_F, since X_0 may be low rank), s ||Y||_F / sqrt(n) at a ``restart``
+    (s times the root mean square of Y's n eigenvalues: the typical round-off there, where
+    the worst case costs accuracy); s = ``shift``."""
+    Y = X @ X.T
+    lift = np.linalg.norm(Y) / (np.sqrt(len(Y)) if restart else 1.0)
+    return Y + shift * lift * np.eye(len(Y))
+
+
 def gram_newton_schulz(M, steps=5, eps=1e-7, coefficients=NS_COEFFICIENTS, restarts=None,
                        shift=None):
     r"""(M13b) Newton-Schulz through the Gram matrix (Polar Express appendix F).
@@ -167,8 +178,9 @@ def gram_newton_schulz(M, steps=5, eps=1e-7, coefficients=NS_COEFFICIENTS, resta
     R_{k+1} = H_k R_k and Y_{k+1} = H_k Y_k H_k: the iteration runs on n x n matrices, and
     X = R X is formed only at a restart (before each step of ``restarts``, default
     ``gram_restarts``: X <- R X, Y <- X X^T, R <- I) and at the end.  Restarts keep R's
-    conditioning bounded.  The first Y is shifted, Y_0 + s ||Y_0||_F I with s = ``shift``
-    (``None``: the unit roundoff of the iteration's dtype, float64's here), which bounds the
+    conditioning bounded.  Every Y formed from X (the first and each restart's) is shifted
+    (``shifted_gram``: by s ||Y_0||_F, then s ||Y||_F / sqrt(n)) with s = ``shift``
+    (``None``: the unit roundoff of the iteration's dtype, float64's here), which covers the
     round-off of a low-precision X X^T and keeps it positive definite.  A matrix where the
     Gram form costs no fewer flops (``gram_pays``) takes ``newton_schulz`` instead.  In exact
     arithmetic and at s = 0 the two iterations agree.
@@ -184,13 +196,11 @@ def gram_newton_schulz(M, steps=5, eps=1e-7, coefficients=NS_COEFFICIENTS, resta
     if tall:
         X = X.T
     eye = np.eye(X.shape[0])
-    Y = X @ X.T
-    Y = Y + shift * np.linalg.norm(Y) * eye
-    R = eye
+    Y, R = shifted_gram(X, shift), eye
     for k, (a, b, c) in enumerate(schedule):
         if k in restarts:
             X = R @ X
-            Y, R = X @ X.T, eye
+            Y, R = shifted_gram(X, shift, restart=True), eye
         H = a * eye + b * Y + c * (Y @ Y)
         R = H @ R
         if k + 1 < steps and k + 1 not in restarts:

@@ -76,3 +76,22 @@ def test_moe_mars_m_benchmark_times_stacked_and_separate_experts(capsys):
     assert len(report["step_seconds"]) == 2 * len(bench_moe_mars_m.OPTIMIZERS)
     assert all(t > 0 for t in report["step_seconds"].values())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+
+
+def test_orthogonalisers_benchmark_eager_tables_on_tiny_matrices():
+    """Every option timed in the MARS-M, MARS-Shampoo and Newton-Schulz-alone tables (eager,
+    width 8, one block), with each option's flops and a finite distance to U V^T."""
+    from figures.bench import orthogonalisers as bench_orth
+    report = bench_orth.main(["--repeats", "1", "--width", "8", "--layers", "1",
+                              "--no-compile"])
+    labels = [label for label, _, _ in bench_orth.OPTIONS]
+    assert set(report["mars_m_ratios"]) == set(labels)
+    assert {f"MARS-Shampoo {label}" for label in labels} <= set(report["shampoo_step_seconds"])
+    assert len(report["ns_seconds"]) == 1 + 2 * len(labels)
+    assert all(t > 0 for t in report["ns_seconds"].values())
+    # the Gram form pays on the rectangular matrices (aspect 3 and 4): fewer flops
+    details = report["ns_details"]
+    assert (details["MARS-M authors Gram, per matrix"]["gflop"]
+            < details["MARS-M authors NS, per matrix"]["gflop"])
+    assert all(0 <= d["polar_distance"] < 1 for d in details.values())
+    assert "| MARS-M polar_express Gram eager |" in bench_orth.tables(report)

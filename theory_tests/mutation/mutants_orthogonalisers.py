@@ -39,16 +39,23 @@ ORTHOGONALISER_MUTANTS = {
                "        a, b, c = optimal_quintic(lo, hi)"),
         # the port's table: one digit of the paper's first triple off
         Mutant(T_MF, "    (8.28721201814563, -23.595886519098837, 17.300387312530933),",
-               "    (8.28721201814563, -23.595886519098837, 17.30038731253093),"),
+               "    (8.28721201814563, -23.595886519098837, 17.300387812530933),"),
     ],
     "ORTH-GRAM": [
-        # the shift not relative to ||Y_0||_F (oracle)
-        Mutant(R_MF, "    Y = Y + shift * np.linalg.norm(Y) * eye", "    Y = Y + shift * eye"),
+        # the shift not relative to ||Y||_F (oracle)
+        Mutant(R_MF, "    return Y + shift * lift * np.eye(len(Y))",
+               "    return Y + shift * np.eye(len(Y))"),
+        # a restart's Gram matrix lifted by the first block's worst case (oracle)
+        Mutant(R_MF, "    lift = np.linalg.norm(Y) / (np.sqrt(len(Y)) if restart else 1.0)",
+               "    lift = np.linalg.norm(Y)"),
+        # a restart's Gram matrix not lifted (the port: Y_0 alone shifted)
+        Mutant(T_MF, "    lift = torch.linalg.matrix_norm(Y) / (math.sqrt(Y.size(-1)) if restart else 1.0)",
+               "    lift = torch.linalg.matrix_norm(Y) * (0.0 if restart else 1.0)"),
         # a restart that keeps the stale Gram matrix (oracle)
-        Mutant(R_MF, "            Y, R = X @ X.T, eye", "            R = eye"),
+        Mutant(R_MF, "            Y, R = shifted_gram(X, shift, restart=True), eye", "            R = eye"),
         # the port drops its shift
-        Mutant(T_MF, "    Y.diagonal(dim1=-2, dim2=-1).add_(shift * torch.linalg.matrix_norm(Y).unsqueeze(-1))",
-               "    Y.diagonal(dim1=-2, dim2=-1).add_(0.0 * torch.linalg.matrix_norm(Y).unsqueeze(-1))"),
+        Mutant(T_MF, "    Y.diagonal(dim1=-2, dim2=-1).add_(shift * lift.unsqueeze(-1))",
+               "    Y.diagonal(dim1=-2, dim2=-1).add_(0.0 * lift.unsqueeze(-1))"),
         # the port never restarts
         Mutant(T_MF, '    block of two steps, then blocks of three (2, 5, 8, ...)."""\n    return tuple(range(2, steps, 3))',
                '    block of two steps, then blocks of three (2, 5, 8, ...)."""\n    return ()'),

@@ -9,6 +9,8 @@ matrix's own.  ``newton_schulz`` takes a per-step coefficient schedule (``ns_sch
 authors' quintic or Polar Express's); ``gram_newton_schulz`` runs the same iteration on the
 small Gram matrix.
 """
+import math
+
 import torch
 
 from .sharding import is_dtensor, on_matrices
@@ -137,6 +139,16 @@ def gram_pays(rows, cols, steps, restarts=None):
     return min(rows, cols) > 0 and gram < standard
 
 
+def shifted_gram(X, shift, scale=None, restart=False):
+    """(M13b) Y = X X^T (times ``scale``^2, the normalisation, when given) lifted by
+    s ||Y||_F I for the first block, s ||Y||_F / sqrt(n) I at a ``restart`` (n x n Y; the
+    oracle's docstring says why), s = ``shift``: the Gram matrix a block starts from."""
+    Y = X @ X.mT if scale is None else (X @ X.mT) * scale.square()
+    lift = torch.linalg.matrix_norm(Y) / (math.sqrt(Y.size(-1)) if restart else 1.0)
+    Y.diagonal(dim1=-2, dim2=-1).add_(shift * lift.unsqueeze(-1))
+    return Y
+
+
 def gram_newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=NS_COEFFICIENTS,
                        cast_first=False, restarts=None, shift=None):
     r"""(M13b) ``newton_schulz`` through the n x n Gram matrix (n = min(A, B)).
@@ -150,10 +162,12 @@ def gram_newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=
     X <- R X, Y <- X X^T, R <- I) and at the end: two rectangular products per block instead
     of two per step.  X_0 = M / (||M||_F + eps) enters only through Y_0 and R X_0, so the
     normalisation is applied to n x n matrices.  The shift s (``shift``; ``None``: the unit
-    roundoff of ``dtype``, 2^-8 for bf16) bounds the round-off of X_0 X_0^T rounded to
-    ``dtype`` (|error| <= s |Y|, entrywise): the shifted Y_0 stays positive definite, where a
-    rounded X X^T of a low-rank M has negative eigenvalues that the first steps' slopes
-    (8.1^2 per step for Polar Express) blow up to inf (measured: paper_notes/orthogonalisation.md).
+    roundoff of ``dtype``, 2^-8 for bf16) covers the round-off E of X X^T rounded to
+    ``dtype`` (|E_ij| <= s |Y_ij|): every Gram matrix formed from X is lifted
+    (``shifted_gram``), Y_0 by the worst case s ||Y_0||_F, a restart's by s ||Y||_F / sqrt(n),
+    and stays positive definite, where a rounded X X^T of a low-rank or ill-conditioned X has
+    negative eigenvalues that the next steps' slopes (8.1^2 per step for Polar Express, 3.4^2
+    for the authors') blow up to inf (measured: paper_notes/orthogonalisation.md).
     Restarts bound R's conditioning.  Computed in ``dtype``; ``cast_first`` and the returned
     dtype as ``newton_schulz``.  A matrix where the Gram form costs no fewer flops
     (``gram_pays``: nearly square) runs ``newton_schulz``.
@@ -174,13 +188,11 @@ def gram_newton_schulz(M, steps=5, eps=1e-7, dtype=torch.bfloat16, coefficients=
     scale = scale.to(dtype)  # 1 / (||M||_F + eps), one per matrix
     X = X.mT if M.size(-2) > M.size(-1) else X
     mm = torch.addmm if X.dim() == 2 else torch.baddbmm
-    Y = (X @ X.mT) * scale.square()
-    Y.diagonal(dim1=-2, dim2=-1).add_(shift * torch.linalg.matrix_norm(Y).unsqueeze(-1))
-    R = None
+    Y, R = shifted_gram(X, shift, scale), None
     for k, (a, b, c) in enumerate(schedule):
         if k in restarts:
             X = (R * scale) @ X
-            Y, R, scale = X @ X.mT, None, torch.ones_like(scale)
+            Y, R, scale = shifted_gram(X, shift, restart=True), None, torch.ones_like(scale)
         H = mm(Y, Y, Y, beta=b, alpha=c)
         H.diagonal(dim1=-2, dim2=-1).add_(a)
         R = H if R is None else H @ R

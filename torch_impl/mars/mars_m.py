@@ -76,7 +76,9 @@ class MARSM(Optimizer):
             same iteration on the n x n Gram matrix of a rectangular matrix, two rectangular
             products per restart block instead of two per step; nearly square matrices
             (aspect <= 1.5) keep the standard one.  Not with ``ns_dtype=torch.float16``.
-            Accuracy and cost: ``paper_notes/orthogonalisation.md``.
+            In bf16 its n x n products round too, so it lands farther from U V^T than the
+            standard form and trains worse with the authors' coefficients: pair it with
+            ``ns_coefficients="polar_express"`` (figure 10; ``paper_notes/orthogonalisation.md``).
         shape_layout: ``"out_in"`` or ``"in_out"`` (transformers' ``Conv1D``): the scale
             0.2 sqrt(max(A, B)) is symmetric, so this only documents the layout; kept for
             symmetry with ``MARS``.
