@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from figures.bench.optimizer_step import interleaved
+from figures.bench.timing import interleaved
 from torch_impl.mkor.factors import factor_update
 
 

@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from figures.bench.optimizer_step import interleaved
+from figures.bench.timing import interleaved
 
 __all__ = ["mixtral", "bench_steps", "bench_factor_update", "main"]
 

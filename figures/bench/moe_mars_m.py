@@ -11,7 +11,7 @@ separate 2-D parameters with the same values and gradients ("separate": one Newt
 matrix), by MARS-M (loop and foreach) and MARS-Shampoo (loop).  The two do the same
 arithmetic (the twin tests: equal to 4.4e-16 in float64); the ratio stacked / separate is the
 cost, or the gain, of batching.  Contenders are interleaved and the median kept
-(``optimizer_step.interleaved``): absolute times compare only within one run.
+(``timing.interleaved``): absolute times compare only within one run.
 
 The Newton-Schulz dtype defaults to bfloat16 on CUDA (the authors') and float32 on the CPU,
 where a bf16 matmul without bf16 matrix units is emulated many times slower and both sides
@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from figures.bench.optimizer_step import emit_json, interleaved
+from figures.bench.timing import emit_json, interleaved
 from torch_impl import MARS, MARSM
 
 __all__ = ["stacks", "bench", "main"]

@@ -1,6 +1,7 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mars_m|mkor|hf|memory] [--repeats 9] [--device cpu] [--json PATH]
+    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory] [--repeats 9]
+        [--device cpu] [--json PATH]
         [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
 * ``mars``: one optimizer step (no forward/backward) on a GPT-like parameter list (~30M
@@ -10,6 +11,10 @@
 * ``mars_m``: MARS-M (``MARSM``) against ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``
   on the same list's matrices, eager against eager and compiled against compiled (torch's
   recipe, ``torch.compile`` around ``Muon.step``, against ``MARSM(compiled=True)``).
+* ``orthogonalisers``: MARS-M and MARS-Shampoo under each ``ns_coefficients`` x
+  ``orthogonalizer`` option against ``torch.optim.Muon``, and the Newton-Schulz alone, on 24
+  GPT-like block matrices (:mod:`figures.bench.orthogonalisers`, whose own command takes
+  ``--width`` and ``--layers``).
 * ``mkor``: a training step (forward + backward + step) of an MLP of 4 x Linear(1024) at batch
   1024 with SGD(momentum) alone, under MKOR (inv_freq=10) and under K-FAC.
 * ``hf``: training steps of a GPT-2-like and a ResNet-like transformers model at two batch
@@ -22,29 +27,13 @@ comparable across runs on these noisy machines, the ratios are the result.  Prin
 tables and one JSON document.
 """
 import argparse
-import json
-import statistics
 import time
 
 import torch
 
 from torch_impl import KFAC, MARS, MARSM, MKOR
 from figures.bench.step_memory import StepMemory
-
-
-def gpt_like_params(device, dtype=torch.float32, vocab=8192, d=512, layers=8, ctx=1024):
-    """~30.5M parameters in 99 tensors, shaped like a small GPT."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(vocab, d), (ctx, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
-                   (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    shapes += [(d,)]
-    params = [torch.nn.Parameter(0.02 * torch.randn(s, generator=g, dtype=dtype).to(device))
-              for s in shapes]
-    for p in params:
-        p.grad = 0.01 * torch.randn(p.shape, generator=g, dtype=dtype).to(device)
-    return params
+from figures.bench.timing import compile_step, compiled_muon, emit_json, gpt_like_params, interleaved
 
 
 class Lion(torch.optim.Optimizer):
@@ -68,48 +57,16 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_lerp_(ms, gs, 1 - b2)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved(contenders, repeats, device, warmup=2):
-    """{name: median seconds} of ``fn()`` over ``repeats`` interleaved rounds."""
-    for fn in contenders.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def _stepper(make, device):
     params = gpt_like_params(device)
     opt = make(params)
     return opt.step
 
 
-def _compile_step(opt):
-    """torch's recipe for a compiled optimizer step: torch.compile around ``opt.step``."""
-    eager_step = opt.step
-
-    @torch.compile(fullgraph=False)
-    def step():
-        eager_step()
-    opt.step = step
-    return opt
-
-
 def _compiled_adamw(params, **kw):
     """AdamW with the learning rate as a tensor (which needs capturable=True), so that a
     schedule does not recompile."""
-    return _compile_step(torch.optim.AdamW(params, lr=torch.tensor(1e-3), foreach=True,
+    return compile_step(torch.optim.AdamW(params, lr=torch.tensor(1e-3), foreach=True,
                                            capturable=True, **kw))
 
 
@@ -145,12 +102,6 @@ def bench_mars(repeats, device):
     return times, {k: v for k, v in compile_seconds.items() if "compiled" in k}
 
 
-def _compiled_muon(params, muon_class=torch.optim.Muon, **kw):
-    """Muon's step compiled (its lr is a float: a schedule would recompile, which a fixed-lr
-    benchmark never triggers)."""
-    return _compile_step(muon_class(params, **kw))
-
-
 def bench_mars_m(repeats, device, ns_dtype=torch.bfloat16, compiled=True, **shape):
     """MARS-M against torch's Muon on the GPT-like list's matrices (lr 0.02 with the
     match_rms_adamw scale, wd 0.1, momentum 0.95), both with their Newton-Schulz in
@@ -173,7 +124,7 @@ def bench_mars_m(repeats, device, ns_dtype=torch.bfloat16, compiled=True, **shap
     }
     if compiled:
         steps.update({
-            "Muon (torch) compiled": lambda ps: _compiled_muon(matrices(ps), muon_class, **muon),
+            "Muon (torch) compiled": lambda ps: compiled_muon(matrices(ps), muon_class, **muon),
             "MARS-M compiled": lambda ps: MARSM(matrices(ps), compiled=True, **mars_m),
         })
     contenders = {}
@@ -270,16 +221,6 @@ def bench_memory(device):
     return out
 
 
-def emit_json(report, path=None):
-    """Print the report as one JSON line (the last line a script prints) and, with ``path``,
-    write it there too."""
-    text = json.dumps(report)
-    print(text)
-    if path:
-        with open(path, "w") as f:
-            f.write(text)
-
-
 def _table(title, times, reference):
     lines = [f"\n{title}", "| contender | median (ms) | / " + reference + " |", "|---|---|---|"]
     for name, t in times.items():
@@ -289,7 +230,8 @@ def _table(title, times, reference):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m figures.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["mars", "mars_m", "mkor", "hf", "memory"])
+    parser.add_argument("--only", choices=["mars", "mars_m", "orthogonalisers", "mkor", "hf",
+                                           "memory"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=8,
@@ -299,7 +241,7 @@ def main(argv=None):
                         help="mars_m only: Newton-Schulz dtype of both sides (float32 on a "
                              "CPU without bf16 matrix units)")
     parser.add_argument("--no-compile", action="store_true",
-                        help="mars_m only: eager paths only")
+                        help="mars_m and orthogonalisers: eager paths only")
     parser.add_argument("--json", help="also write the JSON document here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -342,6 +284,11 @@ def main(argv=None):
                      "Muon (torch) eager"))
         for name, r in ratios.items():
             print(f"{name}: {r:.2f}")
+    if args.only in (None, "orthogonalisers"):
+        from figures.bench import orthogonalisers as bench_orthogonalisers
+        report["orthogonalisers"] = bench_orthogonalisers.run(args.repeats, device,
+                                                              compiled=not args.no_compile)
+        print(bench_orthogonalisers.tables(report["orthogonalisers"]))
     if args.only in (None, "mkor"):
         times = bench_mkor(args.repeats, device)
         report["mkor_train_step_seconds"] = times

@@ -3,19 +3,19 @@
     python -m figures.bench.orthogonalisers [--width 256] [--layers 6] [--repeats 15]
         [--no-compile] [--no-svd] [--device cpu] [--json PATH]
 
-The list is the block matrices of the GPT-like list (``optimizer_step.gpt_like_params``,
+The list is the block matrices of the GPT-like list (``timing.gpt_like_params``,
 embeddings left out): per block qkv (3d x d), proj (d x d), fc (4d x d) and fc2 (d x 4d), so
 three matrices in four are rectangular (aspect ratio 3 or 4) -- 24 matrices at d = 256 and 6
 blocks.  Every contender steps its own copy (the same values and gradients), bf16
 Newton-Schulz on both sides (torch's Muon always runs it in bf16).
 
-Three tables, each interleaved (``optimizer_step.interleaved``: every round times every
+Three tables, each interleaved (``timing.interleaved``: every round times every
 contender once) with medians and ratios against the reference measured in the same run:
 
 * **MARS-M** (``MARSM``, lr 0.02, wd 0.1) under each option -- ``ns_coefficients`` "authors" /
   "polar_express" x ``orthogonalizer`` "newton_schulz" / "gram_newton_schulz" -- eager and
   ``compiled=True``, against ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` eager (the
-  reference) and torch-compiled (``optimizer_step._compiled_muon``; same hyperparameters as
+  reference) and torch-compiled (``timing.compiled_muon``; same hyperparameters as
   ``bench_mars_m``).
 * **MARS-Shampoo** (``MARS(mars_type="mars-shampoo")``) under the same four options, plus
   the SVD and one ``compiled=True`` row, against Muon eager.  ``compiled=True`` compiles
@@ -42,7 +42,7 @@ import time
 import torch
 
 from figures.experiments.orthogonalisers import option_flops
-from figures.bench.optimizer_step import _compiled_muon, emit_json, gpt_like_params, interleaved
+from figures.bench.timing import compiled_muon, emit_json, gpt_like_params, interleaved
 from torch_impl import MARS, MARSM
 from torch_impl.common.matrix_functions import orthogonalize_svd
 from torch_impl.common.sharding import orthogonalize_by_shape
@@ -97,7 +97,7 @@ def bench_mars_m_options(repeats, device, width=256, layers=6, compiled=True):
     under each option, eager and (``compiled``) compiled."""
     makers = {MUON_REFERENCE: lambda ps: torch.optim.Muon(ps, **MUON)}
     if compiled:
-        makers["Muon (torch) compiled"] = lambda ps: _compiled_muon(ps, **MUON)
+        makers["Muon (torch) compiled"] = lambda ps: compiled_muon(ps, **MUON)
     for label, coefficients, orthogonalizer in OPTIONS:
         makers[f"MARS-M {label} eager"] = _mars_m(coefficients, orthogonalizer, False)
         if compiled:

@@ -13,7 +13,7 @@ import torch
 from torch_impl import MARS
 
 from ..bench import factor_update as bench
-from ..bench.optimizer_step import interleaved
+from ..bench.timing import interleaved
 from .. import common as C
 
 NAME = "cost"

@@ -95,3 +95,17 @@ def test_orthogonalisers_benchmark_eager_tables_on_tiny_matrices():
             < details["MARS-M authors NS, per matrix"]["gflop"])
     assert all(0 <= d["polar_distance"] < 1 for d in details.values())
     assert "| MARS-M polar_express Gram eager |" in bench_orth.tables(report)
+
+
+def test_figures_bench_only_orthogonalisers_runs_the_orthogonalisers_tables(monkeypatch, capsys):
+    """``python -m figures.bench --only orthogonalisers`` reaches the same tables (tiny: the
+    list shrunk through the module's defaults)."""
+    from figures.bench import orthogonalisers as bench_orth
+    run = bench_orth.run
+    monkeypatch.setattr(bench_orth, "run", lambda repeats, device, compiled=True: run(
+        repeats, device, width=8, layers=1, compiled=compiled))
+    bench.main(["--only", "orthogonalisers", "--repeats", "1", "--no-compile"])
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert set(report) == {"device", "threads", "torch", "repeats", "orthogonalisers"}
+    assert "MARS-M options vs torch Muon" in out and "Newton-Schulz alone" in out
