@@ -140,9 +140,24 @@ def test_keyword_calls_that_dcp_and_training_loops_make(name):
     opt.load_state_dict(state_dict=before)
     after = opt.state_dict()
     assert before.keys() == after.keys()
+    assert before["state"].keys() == after["state"].keys()
     for i, st in before["state"].items():
-        for key, value in st.items():
-            other = after["state"][i][key]
-            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+        _assert_same(st, after["state"][i])
     if hasattr(opt, "remove"):
         opt.remove()
+
+
+def _assert_same(a, b):
+    """Equal nested state (a preconditioner's entries are dicts of tensors)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b)
+    else:
+        assert a == b

@@ -342,13 +342,15 @@ def _preconditioner_round_trip(root, name, top_level_entry):
 def test_preconditioner_dcp_round_trip(tmp_path, name):
     """MKOR / K-FAC through get_state_dict + dcp.save / dcp.load + set_state_dict alone:
     DCP keeps only ``state`` and ``param_groups`` (``DCP_DROPS_PRECONDITIONER``), so the
-    preconditioner's entry rides in the first param group; it is checkpointed, its step
+    preconditioner's state rides on the parameters (each layer's on its weight, the run's on
+    the first parameter: ``torch_impl/mkor/state_layout.py``); it is checkpointed, its step
     count restored (after DCP's own zero-gradient step at lr 0 on the fresh optimizer) and
     the continuation is bit-identical."""
     saved_optim, (saved, restored), (resumed, uninterrupted) = \
         _preconditioner_round_trip(str(tmp_path / name), name, top_level_entry=False)
-    assert saved_optim["param_groups"][0].get(name) is not None, \
-        f"get_state_dict dropped the '{name}' entry of the optimizer's state_dict()"
+    entries = saved_optim["state"].values()
+    assert sum(name in e for e in entries) >= 1 and sum(f"{name}_run" in e for e in entries) == 1, \
+        f"get_state_dict dropped the '{name}' entries of the optimizer's state_dict()"
     assert restored == saved == K
     for a, b in zip(resumed, uninterrupted):
         assert torch.equal(a, b)

@@ -17,8 +17,8 @@ from theory_tests.support.hf_cases import equal_factors, factors_of, is_identity
 def _full_state(model, pre):
     """Everything a step could change: parameters, backbone state, factors, counters, steps."""
     state = {"params": snapshot(model),
-             "opt": {n: {k: v.clone() for k, v in pre.state[p].items()}
-                     for n, p in model.named_parameters() if p in pre.state},
+             "opt": {n: {k: v.clone() for k, v in pre.optimizer.state[p].items()}
+                     for n, p in model.named_parameters() if p in pre.optimizer.state},
              "factors": factors_of(pre), "steps": pre.steps}
     if isinstance(pre, MKOR):
         state["counters"] = {n: {k: v.clone() for k, v in c.items()}

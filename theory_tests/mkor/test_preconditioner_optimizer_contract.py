@@ -14,7 +14,8 @@ def test_it_is_an_optimizer_over_the_backbones_groups(cls):
     model = _mlp()
     opt, pre = _make(cls, model)
     assert isinstance(pre, torch.optim.Optimizer)
-    assert pre.param_groups is opt.param_groups and pre.state is opt.state
+    assert pre.param_groups is opt.param_groups
+    _assert_state_reads_through(pre, opt)
     sched = torch.optim.lr_scheduler.StepLR(pre, step_size=1, gamma=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "scheduler before optimizer" warning
@@ -23,9 +24,34 @@ def test_it_is_an_optimizer_over_the_backbones_groups(cls):
             sched.step()
     assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
     state = pre.state_dict()
-    assert set(state) == {"state", "param_groups", pre._state_key}
+    assert set(state) == {"state", "param_groups"}
+    _assert_state_reads_through(pre, opt)
     opt.load_state_dict(opt.state_dict())  # a backbone reload rebinds its lists
     assert pre.param_groups is opt.param_groups
+
+
+def _assert_state_reads_through(pre, opt):
+    """``pre.state`` is the backbone's state (the same per-parameter dicts, written through)
+    plus the preconditioner's entries: each layer's live state on its weight, the run's on the
+    first parameter."""
+    key = pre._state_key
+    weights = {layer.module.weight: layer.name for layer in pre._layers}
+    first = opt.param_groups[0]["params"][0]
+    assert bool(pre.state) == bool(opt.state)
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        entry = pre.state[p]
+        if p in weights:
+            live = pre._state[weights[p]]
+            assert (key in entry) == bool(live)
+            assert all(entry[key][k] is v for k, v in live.items())
+        else:
+            assert key not in entry
+        assert (key + "_run" in entry) == (p is first)
+        for name in opt.state.get(p, {}):
+            assert entry[name] is opt.state[p][name]
+    probe = next(iter(weights))
+    pre.state[probe]["probe"] = 1.0  # a backbone key goes to the backbone
+    assert opt.state[probe].pop("probe") == 1.0
 
 
 @pytest.mark.parametrize("cls", KINDS)
@@ -50,6 +76,6 @@ def test_state_dict_hooks_run_as_in_torch_optim(cls):
     pre.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load", "tagged" in sd)))
     pre.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
     state = pre.state_dict()
-    assert state["tagged"] and pre._state_key in state
+    assert state["tagged"] and any(pre._state_key in entry for entry in state["state"].values())
     pre.load_state_dict(state)
     assert calls == ["pre", ("load", True), "loaded"]

@@ -98,7 +98,7 @@ def _trainer(tmp_path, accum=1, batch=4, resume=None, **mkor_kwargs):
 def test_trainer_trains_and_resumes_bitwise(tmp_path):
     """``Trainer(optimizers=(mkor, None))``: 6 steps are 6 MKOR steps with factors moved from
     the identity and the scheduler driving the backbone lr; resuming from checkpoint-3
-    (fresh model + MKOR, optimizer.pt holding the "mkor" entry) ends bit-identical to the
+    (fresh model + MKOR, optimizer.pt holding the "mkor" entries on the weights) ends bit-identical to the
     uninterrupted run."""
     model, mkor = _trainer(tmp_path / "full")
     assert mkor.steps == 6
@@ -106,7 +106,9 @@ def test_trainer_trains_and_resumes_bitwise(tmp_path):
                for L, R in mkor.inverse_factors().values())
     assert mkor.optimizer.param_groups[0]["lr"] == 0.0  # the linear schedule reached 0
     ckpt = tmp_path / "full" / "checkpoint-3"
-    assert "mkor" in torch.load(ckpt / "optimizer.pt", weights_only=True)
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert sum("mkor" in entry for entry in saved.values()) == len(mkor.inverse_factors())
+    assert sum("mkor_run" in entry for entry in saved.values()) == 1
     model2, mkor2 = _trainer(tmp_path / "resumed", resume=str(ckpt))
     assert mkor2.steps == 6
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))

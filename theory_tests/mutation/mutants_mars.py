@@ -316,9 +316,15 @@ MARS_MUTANTS = {
         # LAMB's step no longer torch's
         Mutant("torch_impl/baselines/lamb.py", "    def step(self, closure=None):", "    def step(self, closure):"),
         # MKOR's / K-FAC's state not carried where DCP keeps it, or not taken back from there
-        Mutant("torch_impl/mkor/wrapper.py", "            first = dict(state[\"param_groups\"][0], **{self._state_key: own})",
-               "            first = dict(state[\"param_groups\"][0])"),
-        Mutant("torch_impl/mkor/wrapper.py", "            own = carried if own is None else own", "            own = own"),
+        Mutant("torch_impl/mkor/wrapper.py", "            packed[i] = dict(packed.get(i, {}), **entry)",
+               "            packed[i] = dict(packed.get(i, {}))"),
+        Mutant("torch_impl/mkor/wrapper.py", "            own = placed if placed is not None else own", "            own = own"),
+        # each layer's state loaded into the layer after it (the saved keys matched by order)
+        Mutant("torch_impl/mkor/state_layout.py", "    return {id(p): k for p, k in zip(live, saved)}",
+               "    return {id(p): k for p, k in zip(live, saved[1:] + saved[:1])}"),
+        # the run's counters not laid out
+        Mutant("torch_impl/mkor/state_layout.py", "    if first is not None:\n        entries.setdefault(first, {})[run_key(key)]",
+               "    if first is None:\n        entries.setdefault(first, {})[run_key(key)]"),
         # a keyword of the wrapper's own beside torch's step signature
         Mutant("torch_impl/mkor/wrapper.py", "    def step(self, closure=None):", "    def step(self, closure=None, *, loss=None):"),
     ],

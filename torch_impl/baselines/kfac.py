@@ -289,7 +289,11 @@ class KFAC(PreconditionedOptimizer):
         else:
             self._capture.reset()
 
-    def preconditioner_state_dict(self):
+    def _preconditioner_state(self, clone):
+        """K-FAC's own state: factors, their decompositions and counters (by module name) and
+        the step count (the tensors copied if ``clone``)."""
+        if not clone:
+            return {"steps": self._steps, "layers": {n: dict(s) for n, s in self._state.items()}}
         return {"steps": self._steps,
                 "layers": {n: {k: (tuple(t.clone() for t in v) if isinstance(v, tuple)
                                    else v.clone() if isinstance(v, torch.Tensor) else v)
@@ -497,6 +501,9 @@ class KFAC(PreconditionedOptimizer):
         """Factor / decomposition updates when due, then ``.grad`` <- nu * V."""
         if self._detached:
             return
+        if self._capture.binding.moved():  # parameters replaced since construction (mkor.fsdp)
+            self._owners = self._capture.binding.follow(self, self.factor_placement, "KFAC")
+            self._routes = self._plan_routes()
         if self.factor_update_due():
             self._finish_capture()
             self._update_factors()

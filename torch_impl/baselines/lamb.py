@@ -132,6 +132,9 @@ class LAMB(torch.optim.Optimizer):
             (module docstring).
         capturable, differentiable, fused: only their off values (False, False, None /
             False) are supported; stored in the groups like torch's.
+
+    ``init_state()`` creates the first step's state up front (``step`` = 0), so that
+    torchtitan's and DCP's zero-gradient init step, which would advance it, does nothing.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *,
@@ -166,20 +169,48 @@ class LAMB(torch.optim.Optimizer):
         """Append the group's live tensors (real views) and step counters to the given lists,
         creating state lazily: torch.optim's protocol, which ``torch.compile`` runs eagerly
         at trace time (so the first step's state creation is not a graph of its own)."""
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        for p, state in self._create_state([p for p in group["params"] if p.grad is not None]):
+            params.append(_real(p))
+            grads.append(_real(p.grad))
+            ms.append(_real(state["exp_avg"]))
+            vs.append(_real(state["exp_avg_sq"]))
+            counters.append(state["step"])
+
+    def _create_state(self, params):
+        """Yield (p, state) for each of ``params``, creating an empty state first: ``step`` = 0
+        (a float32 CPU tensor), ``exp_avg`` and ``exp_avg_sq`` zeros like ``p``.  Shared by
+        ``_init_group`` (a step) and ``init_state``."""
+        for p in params:
             state = self.state[p]
             if len(state) == 0:
                 # The step count lives on the CPU (as in torch.optim): no device sync.
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(_real(p))
-            grads.append(_real(p.grad))
-            ms.append(_real(state["exp_avg"]))
-            vs.append(_real(state["exp_avg_sq"]))
-            counters.append(state["step"])
+            yield p, state
+
+    @torch.no_grad()
+    def init_state(self):
+        """Create now the state the first ``step()`` would create, before its update, for
+        every parameter of every group that requires a gradient and has no state yet:
+        ``step`` = 0 (float32, CPU), ``exp_avg`` and ``exp_avg_sq`` zeros like the parameter
+        (``zeros_like``: a DTensor parameter gets DTensor state).
+
+        Why: torchtitan (``init_optim_state``) and DCP (``get_state_dict`` /
+        ``set_state_dict`` through ``_init_optim_state``) materialise an empty optimizer
+        state by running one ``step()`` with zero gradients and ``lr = 0``; that step
+        advances ``step`` to 1, so the first real step takes k = 2 in its bias corrections.
+        After ``init_state()`` the state is not empty and their init step returns at once:
+        the run is the one without it, bit for bit.
+
+        Parameters and gradients are not touched; nothing is read on the host.  A parameter
+        that already has state keeps it (a second call changes nothing); one with
+        ``requires_grad=False`` gets none; one that never gets a gradient keeps its zero
+        state, and a step without its gradient skips it as always."""
+        for group in self.param_groups:
+            for _ in self._create_state([p for p in group["params"]
+                                         if p.requires_grad and not self.state.get(p)]):
+                pass
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -158,7 +158,9 @@ class MARS(Optimizer):
     State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
     amsgrad; ``last_grad`` for tensors on the MARS path (a copy of the raw g, never an alias
-    of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode.
+    of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode.  ``init_state()`` creates
+    the first step's state up front (counters at 0), so that torchtitan's and DCP's
+    zero-gradient init step, which would advance the counters, does nothing.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -326,9 +328,25 @@ class MARS(Optimizer):
         The tensors are the stored ones, in their own dtypes; ``_group_work`` makes the working
         copies that a ``state_dtype`` different from a parameter's dtype needs.
         """
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        live = [p for p in group["params"] if p.grad is not None]
+        for p, kind, st, buffers in self._create_state(group, live):
+            params.append(p)
+            grads.append(p.grad)
+            for name, column in (("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
+                                 ("max_exp_avg_sq", max_exp_avg_sqs),
+                                 ("last_grad", last_grads)):
+                column.append(st.get(name) if name in buffers else None)
+            steps.append(st["step"])
+            kinds.append(kind)
+            scales.append(_true_shape_scale(p, group))
+
+    def _create_state(self, group, params):
+        """For each tensor of ``params`` (in ``group``), create the state its step needs where
+        it is missing -- zeros in the group's ``state_dtype`` (else the tensor's dtype), the
+        counter ``step`` a CPU ``torch.tensor(0.0)`` -- and yield (p, route, state, buffer
+        names).  Shared by ``_init_group`` (a step) and ``init_state``, so both create the
+        same state."""
+        for p in params:
             kind = _route(p, group)
             st, dtype = self.state[p], group["state_dtype"] or p.dtype
             buffers = ["exp_avg"]
@@ -342,15 +360,39 @@ class MARS(Optimizer):
                     st[name] = st[name].to(dtype)  # state set by hand): it holds from now on
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
-            params.append(p)
-            grads.append(p.grad)
-            for name, column in (("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
-                                 ("max_exp_avg_sq", max_exp_avg_sqs),
-                                 ("last_grad", last_grads)):
-                column.append(st.get(name) if name in buffers else None)
-            steps.append(st["step"])
-            kinds.append(kind)
-            scales.append(_true_shape_scale(p, group))
+            yield p, kind, st, buffers
+
+    @torch.no_grad()
+    def init_state(self):
+        """Create now the state the first ``step()`` would create, before its update: for
+        every parameter of every group that requires a gradient and has no state yet, the
+        buffers its route keeps (``exp_avg``; ``exp_avg_sq`` on the AdamW rules;
+        ``max_exp_avg_sq`` with amsgrad; ``last_grad`` on the MARS path), zeros in the
+        group's ``state_dtype`` (else the parameter's dtype; ``zeros_like`` of the parameter,
+        so a DTensor parameter gets DTensor state), and ``step`` = 0 (a CPU tensor).
+
+        Why: torchtitan (``init_optim_state``) and DCP (``get_state_dict`` /
+        ``set_state_dict`` through ``_init_optim_state``) materialise an empty optimizer
+        state by running one ``step()`` with zero gradients and ``lr = 0``.  Here that step
+        counts: ``step`` becomes 1, so the first real step takes t = 2 in its bias
+        corrections (and in exact mode, without a closure, it raises).  After
+        ``init_state()`` the state is not empty, so their init step returns at once, and the
+        run is the one without it, bit for bit.
+
+        Parameters, gradients and hyperparameters are not touched; nothing is read on the
+        host.  A parameter that already has state keeps it as it is, so a second call
+        changes nothing.  A parameter with ``requires_grad=False`` gets no state (nor does
+        the init step give it a gradient).  One that requires a gradient but never gets one
+        keeps its zero state: a step without its gradient skips it, as always (its
+        ``last_grad`` is zeroed, M2, which it already is).  Exact mode's ``prev_param``
+        (x_{t-1}, made by the first closure step) and ``previous_grad`` (the authors' loop)
+        are not created: their presence selects what a step does (a re-evaluation at
+        x_{t-1}; the authors' loop), so the loop that uses them creates them, as before.
+        """
+        for group in self.param_groups:
+            fresh = [p for p in group["params"] if p.requires_grad and not self.state.get(p)]
+            for _ in self._create_state(group, fresh):
+                pass
 
     def _evaluate_at_previous_iterate_then_current(self, closure):
         """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t

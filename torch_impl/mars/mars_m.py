@@ -113,7 +113,9 @@ class MARSM(Optimizer):
 
     State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
     ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
-    backup ``step``, ``moment1``, ``moment2`` -- the authors' names.
+    backup ``step``, ``moment1``, ``moment2`` -- the authors' names.  ``init_state()`` creates
+    them up front (counters at 0), so that torchtitan's and DCP's zero-gradient init step,
+    which would advance the counters, does nothing.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
@@ -241,17 +243,8 @@ class MARSM(Optimizer):
     def _init_group(self, group, params, grads, bufs, lasts, m1, m2, steps, kinds):
         """Append the group's live tensors to the given lists, creating state lazily
         (torch.optim's protocol, run eagerly at trace time under ``torch.compile``)."""
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            kind, st = _kind(p, group), self.state[p]
-            names = {M.MATRIX: ("momentum_buffer", "last_grad"), M.EFFICIENT: ("momentum_buffer",),
-                     M.BACKUP: ("moment1", "moment2")}[kind]
-            for name in names:
-                if name not in st:
-                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if "step" not in st:
-                st["step"] = torch.tensor(0.0)
+        live = [p for p in group["params"] if p.grad is not None]
+        for p, kind, st in self._create_state(group, live):
             params.append(p)
             grads.append(p.grad)
             bufs.append(st.get("momentum_buffer"))
@@ -260,6 +253,50 @@ class MARSM(Optimizer):
             m2.append(st.get("moment2"))
             steps.append(st["step"])
             kinds.append(kind)
+
+
+    def _create_state(self, group, params):
+        """For each tensor of ``params`` (in ``group``), create the state its rule needs where
+        it is missing (zeros like the tensor; ``step`` a CPU ``torch.tensor(0.0)``) and yield
+        (p, kind, state).  Shared by ``_init_group`` (a step) and ``init_state``."""
+        for p in params:
+            kind, st = _kind(p, group), self.state[p]
+            names = {M.MATRIX: ("momentum_buffer", "last_grad"), M.EFFICIENT: ("momentum_buffer",),
+                     M.BACKUP: ("moment1", "moment2")}[kind]
+            for name in names:
+                if name not in st:
+                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0)
+            yield p, kind, st
+
+    @torch.no_grad()
+    def init_state(self):
+        """Create now the state the first ``step()`` would create, before its update: for
+        every parameter of every group that requires a gradient and has no state yet,
+        ``momentum_buffer`` and ``last_grad`` (matrices; ``momentum_buffer`` alone with
+        ``efficient``) or ``moment1`` and ``moment2`` (the AdamW rule), zeros like the
+        parameter (``zeros_like``: a DTensor parameter gets DTensor state), and ``step`` = 0
+        (a CPU tensor).
+
+        Why: torchtitan (``init_optim_state``) and DCP (``get_state_dict`` /
+        ``set_state_dict`` through ``_init_optim_state``) materialise an empty optimizer
+        state by running one ``step()`` with zero gradients and ``lr = 0``; that step
+        advances ``step`` to 1, so the AdamW rule's first real step takes t = 2 in its bias
+        corrections (and in exact mode, without a closure, it raises).  After
+        ``init_state()`` the state is not empty and their init step returns at once: the run
+        is the one without it, bit for bit.
+
+        Parameters, gradients and hyperparameters are not touched; nothing is read on the
+        host.  A parameter that already has state keeps it, so a second call changes
+        nothing; one with ``requires_grad=False`` gets none; one that never gets a gradient
+        keeps its zero state, and a step without its gradient skips it as always.  Exact
+        mode's ``prev_param`` and ``previous_grad`` are left to the loop that uses them
+        (their presence selects what a step does; see ``MARS.init_state``)."""
+        for group in self.param_groups:
+            fresh = [p for p in group["params"] if p.requires_grad and not self.state.get(p)]
+            for _ in self._create_state(group, fresh):
+                pass
 
 
 def _kind(p, group):

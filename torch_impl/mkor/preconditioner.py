@@ -298,11 +298,12 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
     def _owns(self, name):
         return owns(self._owners, name)
 
-    def preconditioner_state_dict(self):
+    def _preconditioner_state(self, clone):
         """MKOR's own state: factors and counters (by module name), step count, switch
-        state and buffered losses, loss scale."""
+        state and buffered losses, loss scale (the tensors copied if ``clone``)."""
         layers = (self._released_state() if self._switched else
-                  {n: {k: v.clone() for k, v in s.items()} for n, s in self._state.items()})
+                  {n: {k: v.clone() if clone else v for k, v in s.items()}
+                   for n, s in self._state.items()})
         return {"steps": self._steps, "switched": self._switched, "layers": layers,
                 "rule": None if self._rule is None else self._rule.state_dict(),
                 "losses": None if self._feed is None else self._feed.state_dict(),
@@ -359,6 +360,9 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         A no-op after the MKOR-H switch. No host synchronisation."""
         if self._switched or self._detached:
             return
+        if self._capture.binding.moved():  # parameters replaced since construction (.fsdp)
+            self._owners = self._capture.binding.follow(self, self.options.factor_placement,
+                                                        "MKOR")
         if self._rule is not None and self._rule.step_due(self._steps):
             self._switch()
             return

@@ -6,8 +6,8 @@ A preconditioner wraps a backbone optimizer and must work wherever a
 Lightning ``configure_optimizers``, checkpoints. :class:`PreconditionedOptimizer`
 therefore *is* an Optimizer whose ``param_groups``, ``state`` and ``defaults`` are the
 backbone's own objects (properties, so a scheduler's lr change or a backbone
-``load_state_dict`` is seen at once), and whose ``state_dict()`` is the backbone's plus
-one extra key holding the preconditioner's state.
+``load_state_dict`` is seen at once), and whose ``state_dict()`` is the backbone's with the
+preconditioner's state laid out on the parameters (:mod:`.state_layout`).
 
 **GradScaler.** The class sets ``_step_supports_amp_scaling``, so ``scaler.step(opt)`` hands
 it the loss scale and an overflow flag instead of unscaling the gradients itself. The step
@@ -46,6 +46,7 @@ import weakref
 import torch
 
 from .report import HookedLayers
+from .state_layout import StateView, collect, packed_index, place, saved_param_ids
 
 __all__ = ["PreconditionedOptimizer"]
 
@@ -55,7 +56,7 @@ _OWNERS = weakref.WeakKeyDictionary()
 
 class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
     """Base class: subclasses set ``_state_key`` and implement :meth:`precondition`,
-    :meth:`preconditioner_state_dict`, :meth:`load_preconditioner_state_dict` and
+    ``_preconditioner_state(clone)``, :meth:`load_preconditioner_state_dict` and
     ``_drop_statistics(completed_only=False)``; they call :meth:`_bind` first in ``__init__`` and
     :meth:`_attach` once their hooks exist."""
 
@@ -93,7 +94,9 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
 
     @property
     def state(self):
-        return self.optimizer.state
+        """The backbone's per-parameter state with this preconditioner's entries on the
+        parameters that carry them (:mod:`.state_layout`)."""
+        return StateView(self.optimizer, lambda: self._entries(clone=False), self._write_entry)
 
     @state.setter
     def state(self, value):
@@ -308,41 +311,82 @@ class PreconditionedOptimizer(HookedLayers, torch.optim.Optimizer):
                         f"captured for a factor update: {why}; the factors stay as they are")
 
     # -- checkpoints --------------------------------------------------------------------
+    def init_state(self):
+        """Create the backbone's state as its first step would, without stepping: torchtitan's
+        and DCP's ``init_optim_state`` step an optimizer whose ``state`` is empty (zero
+        gradients, lr 0), which would count a step here and in the backbone; after this they
+        see state and do nothing. The preconditioner's own state exists from construction."""
+        from torch_impl.common.optim_state import init_backbone_state
+        init_backbone_state(self.optimizer)
+
+    def _layer_weights(self):
+        """{layer name: the parameter its state rides on} (its weight)."""
+        return {layer.name: layer.module.weight for layer in self._layers}
+
+    def _first_param(self):
+        return next((p for g in self.param_groups for p in g["params"]), None)
+
+    def _entries(self, clone):
+        """{param: {name: entry}}: this preconditioner's state laid out on the parameters."""
+        return place(self._preconditioner_state(clone), self._layer_weights(),
+                     self._first_param(), self._state_key)
+
+    def _write_entry(self, param, name, value):
+        """``state[param][name] = value`` for one of this preconditioner's entries: load it."""
+        own = self._preconditioner_state(clone=False)
+        if name == self._state_key:
+            layer = next(n for n, w in self._layer_weights().items() if w is param)
+            own = dict(own, layers=dict(own["layers"], **{layer: value}))
+        else:
+            own = dict(own, **value)
+        self.load_preconditioner_state_dict(own)
+
+    def preconditioner_state_dict(self):
+        """This preconditioner's own state (copies): ``{"layers": {name: state}, ...}``."""
+        return self._preconditioner_state(clone=True)
+
     def state_dict(self):
-        """The backbone's ``state_dict()`` plus this preconditioner's state under
-        ``_state_key`` (``"mkor"`` / ``"kfac"``): one checkpoint resumes both. The same
-        entry also rides in the first param group, so that
-        ``torch.distributed.checkpoint.state_dict.get_state_dict`` (which keeps only
-        ``state`` and ``param_groups``) saves it and ``set_state_dict`` restores it."""
+        """The backbone's ``state_dict()`` with this preconditioner's state on the parameters
+        (:mod:`.state_layout`): each layer's under ``_state_key`` (``"mkor"`` / ``"kfac"``) on
+        its weight, the run's under ``_state_key + "_run"`` on the first parameter. One
+        checkpoint resumes both, and it travels wherever per-parameter state does:
+        ``torch.save``, DCP's ``get_state_dict`` / ``set_state_dict``, torchtitan's flat
+        FQN-keyed layout."""
         for hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim does
             hook(self)
         state = self.optimizer.state_dict()
-        own = state[self._state_key] = self.preconditioner_state_dict()
-        if state["param_groups"]:  # DCP's get_state_dict keeps only "state" and
-            # "param_groups": the preconditioner's state rides in the first group too, and
-            # load_state_dict takes it out again before the backbone sees the groups
-            first = dict(state["param_groups"][0], **{self._state_key: own})
-            state["param_groups"] = [first] + list(state["param_groups"][1:])
+        index = packed_index(self.param_groups)
+        packed = dict(state["state"])  # the backbone's live per-parameter dicts: not mutated
+        for param, entry in self._entries(clone=True).items():
+            i = index[id(param)]
+            packed[i] = dict(packed.get(i, {}), **entry)
+        state["state"] = packed
         for hook in self._optimizer_state_dict_post_hooks.values():
             state = hook(self, state) or state
         return state
 
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict` output. A plain backbone ``state_dict`` loads too (the
-        preconditioner then keeps its state, with a warning), and so does the older
-        preconditioner-only format (``{"steps", "layers", ..., "optimizer"?}``)."""
+        preconditioner then keeps its state, with a warning), and so do the earlier layouts:
+        a top-level ``_state_key`` entry (with a copy in the first param group) and the
+        preconditioner-only ``{"steps", "layers", ..., "optimizer"?}``."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch.optim does
             state_dict = hook(self, state_dict) or state_dict
         state = dict(state_dict)
         own = state.pop(self._state_key, None)
         groups = state.get("param_groups")
-        if groups and self._state_key in groups[0]:  # the copy carried through DCP
+        if groups and self._state_key in groups[0]:  # the earlier copy carried through DCP
             first = dict(groups[0])
             carried = first.pop(self._state_key)
             state["param_groups"] = [first] + list(groups[1:])
             own = carried if own is None else own
         if own is None and "layers" in state and "param_groups" not in state:
             own, state = state, state.get("optimizer")
+        if state is not None and "state" in state:
+            saved_ids = saved_param_ids(state, self.param_groups)
+            by_id = {saved_ids[id(w)]: name for name, w in self._layer_weights().items()}
+            state["state"], placed = collect(state["state"], by_id, self._state_key)
+            own = placed if placed is not None else own
         if own is None:
             warnings.warn(f"{type(self).__name__}.load_state_dict: no '{self._state_key}' entry: "
                           "only the backbone's state was loaded", UserWarning, stacklevel=2)
