@@ -17,6 +17,9 @@ from .mutants_experts import EXPERTS_MUTANTS
 from .mutants_kfac_experts import KFAC_EXPERTS_MUTANTS
 from .mutants_matrix_batch import MATRIX_BATCH_MUTANTS
 from .mutants_orthogonalisers import ORTHOGONALISER_MUTANTS
+from .mutants_hf import HF_MUTANTS
+from .mutants_peers import PEER_MUTANTS
+from .mutants_init_state import INIT_STATE_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -531,7 +534,8 @@ MUTANTS = {
 # A row both families prove (PORT-DCP) takes the mutants of both lists.
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS,
                 LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS, EXPERTS_MUTANTS,
-                MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS, ORTHOGONALISER_MUTANTS):
+                MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS, ORTHOGONALISER_MUTANTS,
+                HF_MUTANTS, PEER_MUTANTS, INIT_STATE_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

@@ -415,9 +415,18 @@ class KFAC(PreconditionedOptimizer):
             s["non_finite"] = s["non_finite"] + (~finite).long()
             s["overflow"] = s["overflow"] + overflow.long()
 
-    def _decompose_all(self):
+    def init_state(self):
+        """The backbone's state as its first step would create it (the base class's), and
+        each kept layer's decomposition of its current factors: those keys otherwise appear at
+        the first step, and a checkpoint template (DCP's, torchtitan's flat layout) made
+        before it would not ask for them. Step 0 decomposes again before it preconditions,
+        so the run is unchanged; layers already decomposed are left as they are."""
+        super().init_state()
+        self._decompose_all(missing_only=True)
+
+    def _decompose_all(self, missing_only=False):
         for name, s in self._state.items():
-            if not s:  # another rank owns the layer
+            if not s or (missing_only and "decomposed" in s):  # another rank owns the layer
                 continue
             for key in ("A", "G"):
                 if key not in s:

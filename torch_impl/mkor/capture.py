@@ -92,6 +92,7 @@ from .expert_capture import ExpertsCapture
 from .hook_guards import (_UNKNOWN, CaptureError, _guarded, _in_backward, _named_error,
                           _untracked)
 from .hook_objects import BoundHook, Gated
+from .fsdp import ParameterBinding
 from .row_provenance import RowsMask, rows_mask
 from .self_check import SelfCheck
 from .token_masks import CallContext, MaskEntries, tag_explicit
@@ -245,6 +246,9 @@ class Capture(ExpertsCapture):
         self._stats = {layer.name: _Stats() for layer in self.layers}
         self._by_name = {layer.name: layer for layer in self.layers}
         self._handles = []
+        self._weight_handles = []  # the part of _handles on weight parameters
+        #: the parameters the layers were built on, to follow their replacement
+        self.binding = ParameterBinding(self.layers)
         self._router = None     # the EagerCaptureSteps on model.forward while registered
         self._warned = set()  # layers already warned about (once each)
         #: {layer name: why its rows were not selected by a token mask}
@@ -663,15 +667,8 @@ class Capture(ExpertsCapture):
                 else:
                     handle = target.register_full_backward_hook(hook)
                 self._handles.append(handle)
-        by_weight = {}
-        for layer in self.layers:
-            by_weight.setdefault(id(layer.module.weight), (layer.module.weight, []))[1].append(
-                layer.name)
-        for weight, names in by_weight.values():
-            self._handles.append(weight.register_post_accumulate_grad_hook(
-                BoundHook(self._settle, names)))  # runs in the autograd engine, never traced
-            if self.check.every is not None and self.check.weight_checkable(weight):
-                self._handles.append(weight.register_hook(BoundHook(self._weight_grad, names)))
+        self._weight_handles = self._hook_weights()
+        self._handles.extend(self._weight_handles)
         if self.model is not None:
             self._router = EagerCaptureSteps.install(self.model, self)
             self._handles.append(self.model.register_forward_pre_hook(
@@ -687,11 +684,39 @@ class Capture(ExpertsCapture):
                     self._handles.append(module.register_forward_pre_hook(
                         gate(self._entry_pre_hook), with_kwargs=True))
 
+    def _hook_weights(self):
+        """Hooks on the layers' *current* weight parameters: the settle hook, and the
+        self-check's gradient hook where the weight's gradient passes through autograd."""
+        handles, by_weight = [], {}
+        for layer in self.layers:
+            by_weight.setdefault(id(layer.module.weight), (layer.module.weight, []))[1].append(
+                layer.name)
+        for weight, names in by_weight.values():
+            handles.append(weight.register_post_accumulate_grad_hook(
+                BoundHook(self._settle, names)))  # runs in the autograd engine, never traced
+            if self.check.every is not None and self.check.weight_checkable(weight):
+                handles.append(weight.register_hook(BoundHook(self._weight_grad, names)))
+        return handles
+
+    def rehook_weights(self):
+        """Move the weight hooks to the layers' current weights, after the model's
+        parameters were replaced (FSDP2's ``fully_shard`` after construction,
+        :class:`~.fsdp.ParameterBinding`); statistics and the module hooks are kept."""
+        if not self._handles:
+            return
+        stale = {id(h) for h in self._weight_handles}
+        for handle in self._weight_handles:
+            handle.remove()
+        self._handles = [h for h in self._handles if id(h) not in stale]
+        self._weight_handles = self._hook_weights()
+        self._handles.extend(self._weight_handles)
+
     def remove(self):
         """Remove every hook and drop all statistics."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._weight_handles = []
         if self._router is not None:
             self._router.uninstall(self.model)
             self._router = None

@@ -40,16 +40,32 @@ model, or an ancestor of the layer, is an ``FSDPModule``) as ``Shard(0)`` on a 1
 ``Shard(1)`` or a sharded activation, a DTensor no ``fully_shard`` placed) would give the
 hooks partial rows or the gradient a layout this module does not gather: it is refused at
 construction, naming the parameter, never trained with a wrong preconditioner.
+
+**Parameters replaced after construction** (:class:`ParameterBinding`). Accelerate's FSDP2
+``prepare(model, optimizer)`` shards a model whose optimizer already exists:
+``fully_shard`` replaces every parameter by a new ``DTensor`` parameter (the modules stay the
+same objects) and ``fsdp2_switch_optimizer_parameters`` puts the new ones into the
+optimizer's param groups -- the backbone's, which are the preconditioner's. The layers
+refer to *modules* and read ``module.weight`` and its gradient at every step, so the
+statistics and the preconditioned gradient need nothing new; what construction decided
+from the parameters is redone at the first step that sees them replaced: the sharding
+check, the owner map (``factor_placement="owner"``: a rank drops the factors of the layers
+it no longer keeps, all equal on every rank until then), the state's device, and the
+weight hooks of the capture. The result is the run of a preconditioner built after
+``fully_shard``. If the backbone does *not* hold the new parameters (the model was
+re-parameterised after the optimizer was built and nobody switched them), the backbone
+would step tensors that no longer receive gradients: the step raises ``RuntimeError``.
 """
 from ..common.sharding import is_dtensor
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
-           "assign_owners", "owner_map", "owns", "kept_here"]
+           "assign_owners", "owner_map", "owns", "kept_here", "ParameterBinding"]
 
 SUPPORTED_PLACEMENTS = ("plain tensors, or FSDP2 fully_shard DTensors placed Shard(0) on a 1-D "
                         "mesh or (Replicate(), Shard(0)) on an HSDP mesh")
@@ -257,3 +273,71 @@ class OwnerGradients(_Gradients):
             dist.scatter(mine, out, src=dist.get_global_rank(self._group, self._owner),
                          group=self._group)
             local.copy_(mine[:local.shape[0]])
+
+
+def _layer_params(layer):
+    bias = getattr(layer.module, "bias", None)
+    return (layer.module.weight,) if bias is None else (layer.module.weight, bias)
+
+
+def _moved_to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved_to(v, device) for v in value)
+    return value
+
+
+class ParameterBinding:
+    """The parameter objects a preconditioner's layers were built on (held weakly: a
+    replaced parameter is not kept alive), to follow their replacement (module
+    docstring). ``moved()`` is O(layers) identity tests, run at every step."""
+
+    def __init__(self, layers):
+        self._layers = list(layers)
+        self._refs = self._read()
+
+    def _read(self):
+        return [tuple(weakref.ref(p) for p in _layer_params(l)) for l in self._layers]
+
+    def moved(self):
+        """Whether some layer's weight or bias is no longer the parameter it was."""
+        return any(len(refs) != len(now) or any(r() is not p for r, p in zip(refs, now))
+                   for refs, now in zip(self._refs, map(_layer_params, self._layers)))
+
+    def follow(self, pre, placement, owner):
+        """Redo what construction decided from the parameters, for the preconditioner
+        ``pre`` (its ``optimizer``, ``model``, ``_layers``, ``_owners``, ``_state``,
+        ``_capture``): returns the new owner map. Raises ``RuntimeError`` if the backbone
+        does not hold the layers' current parameters, ``ValueError`` if their sharding is
+        unsupported (:func:`check_supported_sharding`)."""
+        held = {id(p) for group in pre.optimizer.param_groups for p in group["params"]}
+        stale = [f"{l.name}.{kind}" for l in self._layers
+                 for kind, p in zip(("weight", "bias"), _layer_params(l))
+                 if p.requires_grad and id(p) not in held]
+        if stale:
+            raise RuntimeError(
+                f"{owner}: the parameters of {', '.join(stale[:3])}"
+                f"{' and others' if len(stale) > 3 else ''} were replaced since {owner} was "
+                f"built (fully_shard or another re-parameterisation) and the backbone "
+                f"optimizer does not hold the new ones, so it would step tensors that no "
+                f"longer get gradients. Build the optimizer and {owner} after sharding the "
+                f"model, or pass the model and the optimizer together to "
+                f"accelerate's Accelerator.prepare(model, optimizer), which switches them")
+        from .discovery import unwrap_model
+        check_supported_sharding(unwrap_model(pre.model), self._layers, owner)
+        owners = owner_map(self._layers, placement, owner)
+        for layer in self._layers:
+            name, state = layer.name, pre._state[layer.name]
+            if not owns(owners, name):
+                pre._state[name] = {}  # another rank keeps this layer's factors now
+            elif not owns(pre._owners, name):
+                raise RuntimeError(f"{owner}: {name}'s factors were kept by another rank "
+                                   "and the new sharding puts them here; build the "
+                                   f"{owner} after sharding the model")
+            else:
+                device = layer.module.weight.device
+                pre._state[name] = {k: _moved_to(v, device) for k, v in state.items()}
+        pre._capture.rehook_weights()
+        self._refs = self._read()
+        return owners

@@ -1,0 +1,141 @@
+"""torchtitan end to end beneath its trainer, on forked gloo ranks: its llama3 debug model
+(``theory_tests/support/torchtitan_cases.py``, float64) sharded by torchtitan's own
+``apply_fsdp_to_decoder``, our container (``torch_impl/integrations/torchtitan.py``) naming
+MARS, MKOR (factors owner-placed: ownership moves when the world changes) and K-FAC, and
+torchtitan's checkpoint pieces: the container's flat FQN-keyed ``state_dict()`` and
+``ModelWrapper`` saved with ``dcp.save`` on 2 ranks, loaded with ``dcp.load`` into a fresh
+job's templates (another seed) on 3 ranks (and on 2), then ``load_state_dict``.
+
+The checkpoint restores every tensor bit for bit on 2 and 3 ranks; the resumed run equals the
+uninterrupted one on 2 ranks bit for bit when resumed on 2, and on 3 (each rank's slice of the
+6-sequence batch summed in a different order) to 1e-12 relative for MARS and AdamW (MKOR and
+K-FAC: the test's docstring).
+torchtitan's trainer itself is CUDA-first; everything beneath it runs here.
+"""
+import pytest
+import torch
+
+from theory_tests.support.distributed_harness import run
+
+GLOBAL_BATCH, STEPS, SAVE_AT = 6, 4, 2
+CASES = {"MARS": {}, "AdamW": {}, "MKOR": {"factor_placement": "owner"},
+         "KFAC": {"factor_placement": "owner"}}
+
+
+def _job(rank, world, root, case, mode):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.checkpoint import ModelWrapper
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    from theory_tests.support.torchtitan_cases import config, debug_model, lm_step, tokens
+    warnings.simplefilter("ignore")
+    model = debug_model(seed=0 if mode != "resume" else 1)
+    apply_fsdp_to_decoder(model, init_device_mesh("cpu", (world,)), torch.float64,
+                          torch.float64, pp_enabled=False)
+    cfg = config(case)
+    cfg.optimizer_factory_kwargs_by_name[case].update(CASES[case])
+    opts = cfg.build(model_parts=[model])
+    per = GLOBAL_BATCH // world
+
+    def train(steps):
+        for t in steps:
+            lm_step(model, opts, tokens(t, GLOBAL_BATCH)[rank * per:(rank + 1) * per], world)
+
+    loaded = None
+    if mode == "resume":
+        state = {"model": ModelWrapper(model).state_dict(), "optimizer": opts.state_dict()}
+        dcp.load(state, checkpoint_id=root)
+        ModelWrapper(model).load_state_dict(state["model"])
+        opts.load_state_dict(state["optimizer"])
+        loaded = _whole(model, opts)
+        train(range(SAVE_AT, STEPS))
+    elif mode == "save":
+        train(range(SAVE_AT))
+        dcp.save({"model": ModelWrapper(model).state_dict(), "optimizer": opts.state_dict()},
+                 checkpoint_id=root)
+        return _whole(model, opts), None
+    else:
+        train(range(STEPS))
+    return loaded, [p.detach().full_tensor().clone() for p in model.parameters()]
+
+
+def _whole(model, opts):
+    """What a checkpoint must restore, as whole tensors: parameters, the backbone's state
+    (DTensor shards gathered), and the preconditioner's own state as this rank holds it."""
+    from torch.distributed.tensor import DTensor
+    (opt,) = opts.optimizers
+    backbone = getattr(opt, "optimizer", opt)
+    names = {p: n for n, p in model.named_parameters()}
+    whole = lambda v: v.full_tensor().clone() if isinstance(v, DTensor) else (
+        v.clone() if torch.is_tensor(v) else v)
+    out = {"params": {n: whole(p.detach()) for p, n in names.items()},
+           "backbone": {names[p]: {k: whole(v) for k, v in s.items()}
+                        for p, s in backbone.state.items()}}
+    if opt is not backbone:
+        out["preconditioner"] = opt.preconditioner_state_dict()
+    return out
+
+
+def _merged(states):
+    """One preconditioner state from every rank's: each layer's entry from the rank holding
+    it (owner placement: one rank each); the run's counters, which every rank holds."""
+    layers = {}
+    for state in states:
+        for name, layer in state["layers"].items():
+            if layer:
+                assert name not in layers, f"{name} held twice"
+                layers[name] = layer
+    # grad_scale: each job's own (factor / world of its FSDP groups), not the checkpoint's
+    return dict({k: v for k, v in states[0].items() if k != "grad_scale"}, layers=layers)
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, sorted(a), sorted(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_saved_on_two_ranks_resumes_on_three_and_two(tmp_path, case):
+    """The checkpoint restores everything on 2 and on 3 ranks bit for bit (parameters, the
+    backbone's state, MKOR's / K-FAC's factors and counters merged over their owners); on 2
+    the continuation is the uninterrupted run bit for bit; on 3, for MARS and AdamW, to 1e-12
+    relative. MKOR's and K-FAC's runs are not invariant to the world size at that level (the
+    measured 2-vs-3-rank difference of the uninterrupted runs is printed and bounds the
+    resumed one: paper_notes/torchtitan.md), so their continuation on 3 is held to it."""
+    root = str(tmp_path / case)
+    _, uninterrupted = run(_job, 2, root, case, "full", timeout=300)[0]
+    saved = [r[0] for r in run(_job, 2, root, case, "save", timeout=300)]
+    resumed = {world: run(_job, world, root, case, "resume", timeout=300) for world in (2, 3)}
+    for world, ranks in resumed.items():
+        for key in ("params", "backbone"):
+            _assert_same(saved[0][key], ranks[0][0][key], f"{case} on {world}: {key}")
+        if "preconditioner" in saved[0]:
+            _assert_same(_merged([s["preconditioner"] for s in saved]),
+                         _merged([r[0]["preconditioner"] for r in ranks]),
+                         f"{case} on {world}: preconditioner")
+    for a, b in zip(resumed[2][0][1], uninterrupted):
+        assert torch.equal(a, b)
+    rel = lambda xs: max(((a - b).abs().max() / b.abs().max()).item()
+                         for a, b in zip(xs, uninterrupted))
+    worst = rel(resumed[3][0][1])
+    if case in ("MARS", "AdamW"):
+        bound = 1e-12
+    else:
+        _, on_three = run(_job, 3, root, case, "full", timeout=300)[0]
+        bound = 2 * rel(on_three)
+        print(f"{case}: uninterrupted on 3 vs on 2: {rel(on_three):.2e}")
+    print(f"{case}: resumed on 3 vs uninterrupted on 2: max relative difference {worst:.2e}")
+    assert worst <= bound

@@ -1,0 +1,83 @@
+"""torchtitan pieces for the tests: its llama3 debug model, our container's configs, a step.
+
+The debug model is torchtitan's own (``model_registry("debugmodel")``: dim 256, 6 layers,
+vocab 2048, fused QKV, ``nn.Linear`` subclasses) with one change: its ``FlexAttention`` is
+replaced by torchtitan's ``ScaledDotProductAttention`` (both torchtitan's inner-attention
+modules), because FlexAttention has no backward on CPU in torch 2.13 ("FlexAttention does not
+support backward on CPU"). No parameter changes: the attention kernel has none.
+"""
+import copy
+
+import torch
+from torchtitan.components.optimizer import ParamGroupConfig
+
+from torch_impl.integrations.torchtitan import Optimizers
+
+SEQ = 16
+
+# name -> (group kwargs, factory kwargs): every optimizer the container adds, with its own
+# hyperparameters (not the defaults), and torchtitan's AdamW
+CONFIGS = {
+    "MARS": ({"lr": 3e-3, "betas": (0.9, 0.99), "gamma": 0.02, "weight_decay": 0.1}, {}),
+    "MARSM": ({"lr": 2e-2, "weight_decay": 0.1, "momentum": 0.9, "gamma": 0.02}, {}),
+    "LAMB": ({"lr": 1e-2, "weight_decay": 0.01}, {}),
+    "MKOR": ({"lr": 1e-3, "weight_decay": 0.1}, {"backbone": "AdamW", "inv_freq": 2}),
+    "MKOR-MARS": ({"lr": 1e-3}, {"backbone": "MARS", "inv_freq": 2, "stat_decay": 0.9}),
+    "MKOR-H": ({"lr": 1e-3}, {"backbone": "AdamW", "inv_freq": 2, "switch_step": 3}),
+    "KFAC": ({"lr": 1e-3, "weight_decay": 0.1}, {"backbone": "AdamW", "inv_freq": 2,
+                                                  "damping": 1e-2, "max_factor_dim": 1024}),
+    "AdamW": ({"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}, {}),
+}
+
+
+def optimizer_name(case):
+    return case.split("-")[0] if case.startswith(("MKOR", "KFAC")) else case
+
+
+def config(case, implementation="foreach", pattern=r".*"):
+    group_kwargs, factory_kwargs = CONFIGS[case]
+    name = optimizer_name(case)
+    return Optimizers.Config(
+        implementation=implementation,
+        param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=name,
+                                       optimizer_kwargs=dict(group_kwargs))],
+        optimizer_factory_kwargs_by_name={name: copy.deepcopy(factory_kwargs)})
+
+
+def debug_model(seed=0, dtype=torch.float64):
+    """torchtitan's llama3 debug model (module docstring), initialised from ``seed``."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    spec = model_registry("debugmodel")
+    cfg = spec.model
+    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # not model.to(dtype): RoPE's buffer is complex
+    try:
+        model = cfg.build()
+        model.init_weights()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def tokens(step, batch, vocab=2048):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
+
+
+def lm_step(model, optimizers, batch_tokens, world=1):
+    """One step of next-token loss, torchtitan's way: the local sum over tokens divided by
+    the global token count (its FSDP sums gradients over the ranks, no division:
+    ``disable_fsdp_gradient_division``), so the gradient is the global batch's mean."""
+    inputs, labels = batch_tokens[:, :-1], batch_tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1]).repeat(inputs.shape[0], 1)
+    logits = model(inputs, positions=positions)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             reduction="sum") / (labels.numel() * world)
+    loss.backward()
+    optimizers.step()
+    optimizers.zero_grad()
+    return loss.detach()
