@@ -15,6 +15,7 @@ torchtitan's trainer itself is CUDA-first; everything beneath it runs here.
 import pytest
 import torch
 
+from theory_tests.integrations.test_torchtitan import _assert_same
 from theory_tests.support.distributed_harness import run
 
 GLOBAL_BATCH, STEPS, SAVE_AT = 6, 4, 2
@@ -90,20 +91,6 @@ def _merged(states):
                 layers[name] = layer
     # grad_scale: each job's own (factor / world of its FSDP groups), not the checkpoint's
     return dict({k: v for k, v in states[0].items() if k != "grad_scale"}, layers=layers)
-
-
-def _assert_same(a, b, where=""):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, sorted(a), sorted(b))
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif torch.is_tensor(a):
-        assert torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 @pytest.mark.slow

@@ -47,7 +47,6 @@ model's FSDP groups (:func:`statistics_scale`) unless ``grad_scale`` or ``grad_s
 """
 import dataclasses
 
-import torch
 from torchtitan.components.optimizer import OptimizersContainer
 
 from torch_impl.baselines import KFAC, LAMB
