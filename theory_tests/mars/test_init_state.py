@@ -216,8 +216,10 @@ def test_init_state_then_steps_is_the_fresh_run(name):
 def test_init_state_is_the_first_steps_state_with_counters_at_zero(name):
     """(b) keys, shapes, dtypes and devices of the state a first step creates (every
     parameter given a gradient, so every one gets state), values 0, counters 0 (the step's
-    counter dtype); parameters and gradients untouched.  Exact mode's prev_param (the closure
-    loop's) and previous_grad (the authors' loop's) are the keys left to the loop."""
+    counter dtype); parameters and gradients untouched.  Exact mode's previous_grad (the
+    authors' loop's) is left to that loop; its prev_param (the closure loop's x_{t-1}) is
+    created in both exact loops, zeros like the parameter, so checkpoint templates name it
+    (test_a_template_resumed_exact_closure_loop_keeps_its_previous_iterate)."""
     net_a, opt_a = build(name)
     gen = torch.Generator().manual_seed(7)
     for p in params_of(net_a):
@@ -245,11 +247,14 @@ def test_init_state_is_the_first_steps_state_with_counters_at_zero(name):
     first["state"] = {i: st for i, st in first["state"].items() if st}  # exact mode leaves {}
     assert_equal_state_dicts(dict(init, state={}), dict(first, state={}))  # param_groups
     assert init["state"].keys() == first["state"].keys()
+    exact = CASES[name][2] != "approx"
+    packed = [p for g in opt_b.param_groups for p in g["params"]]
     for i, st in init["state"].items():
         keys = set(first["state"][i]) - {"prev_param", "previous_grad"}
+        keys |= {"prev_param"} if exact else set()
         assert set(st) == keys, (i, set(st), keys)
         for key, value in st.items():
-            ref = first["state"][i][key]
+            ref = packed[i] if key == "prev_param" else first["state"][i][key]
             assert (value.shape, value.dtype, value.device) == (ref.shape, ref.dtype, ref.device)
             assert not value.any(), (i, key)
         assert st["step"].device.type == "cpu" and st["step"].dtype == torch.float32
@@ -357,3 +362,40 @@ def test_init_state_leaves_existing_state_untouched(cls_name):
     assert opt.state.get(net.late) and opt.state.get(net.unused)
     assert not opt.state.get(net.frozen)
     assert opt.state[net.late]["step"] == 0
+
+
+@pytest.mark.parametrize("name", ["mars-adamw-f64-exact-closure", "marsm-f64-exact-closure",
+                                  "MARS_M-f64-exact-authors"])
+def test_a_template_resumed_exact_loop_keeps_its_previous_iterate(name, tmp_path):
+    """(f) DCP's own flow: ``get_state_dict`` -> ``dcp.save`` after k steps (k = 0, 2), then a
+    fresh job's ``init_state()``, its ``get_state_dict`` as the template, ``dcp.load`` into
+    it and ``set_state_dict``: the continuation is the uninterrupted run bit for bit. DCP
+    loads only the names the template has, so the closure loop's x_{t-1} (``prev_param``)
+    comes back only because init_state() names it; without it the resumed loop skipped its
+    re-evaluation at x_{t-1} and ran differently (5e-3 after 3 more steps, measured)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    for k in (0, 2):
+        net_a, opt_a = build(name)
+        opt_a.init_state()
+        run(name, net_a, opt_a, k)
+        model_sd, optim_sd = get_state_dict(net_a, opt_a)
+        where = str(tmp_path / f"k{k}")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where, no_dist=True)
+        net_b, opt_b = build(name)
+        with torch.no_grad():
+            for p in params_of(net_b):
+                p.add_(1.0)  # the fresh job's own weights: the checkpoint must bring them
+        opt_b.init_state()
+        model_t, optim_t = get_state_dict(net_b, opt_b)
+        template = {"model": model_t, "optim": optim_t}
+        dcp.load(template, checkpoint_id=where, no_dist=True)
+        set_state_dict(net_b, opt_b, model_state_dict=template["model"],
+                       optim_state_dict=template["optim"])
+        if k and CASES[name][2] == "closure":
+            assert all(torch.equal(opt_b.state[q]["prev_param"], opt_a.state[p]["prev_param"])
+                       for p, q in zip(params_of(net_a), params_of(net_b))
+                       if "prev_param" in opt_a.state.get(p, {}))
+        run(name, net_a, opt_a, 3, start=k)
+        run(name, net_b, opt_b, 3, start=k)
+        assert_same_run(net_a, opt_a, net_b, opt_b)

@@ -45,8 +45,23 @@ def _mars_family(path, buffer):
     ]
 
 
+T_EX = "torch_impl/mars/exact_mode.py"
+_PLACEHOLDERS = "            exact_mode.init_previous_iterates(self, fresh)"
+
 INIT_STATE_MUTANTS = {
     "PORT-INIT-STATE": _mars_family(T_MARS, "exp_avg") + _mars_family(T_MM, "momentum_buffer") + [
+        # exact mode's prev_param not named by init_state (MARS, MARSM): a DCP template
+        # drops the checkpoint's x_{t-1} and the resumed closure loop skips its re-evaluation
+        Mutant(T_MARS, _PLACEHOLDERS, "            pass"),
+        Mutant(T_MM, _PLACEHOLDERS, "            pass"),
+        # the placeholder taken for x_{t-1} (presence alone): step 1 re-evaluates at zeros
+        Mutant(T_EX, '    return "prev_param" in st and bool(st.get("step", 0) > 0)',
+               '    return "prev_param" in st'),
+        # the placeholder never filled at the tensor's first step
+        Mutant(T_EX, '                st["prev_param"].copy_(p.detach())', "                pass"),
+        # approx mode given an x_{t-1} buffer it never reads (a parameter's worth of memory)
+        Mutant(T_EX, '    if opt.param_groups[0]["is_approx"]:\n        return\n    for p in params:',
+               '    if False:\n        return\n    for p in params:'),
         # MARS: existing state cast to a state_dtype the group took since (a step would;
         # init_state leaves existing state as it is)
         Mutant(T_MARS, _MARS_FILTER,

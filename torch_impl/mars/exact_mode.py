@@ -28,7 +28,7 @@ def evaluate_at_previous_then_current(opt, closure):
     next ``prev_param``, so exact mode holds one extra parameter-sized buffer.
     """
     params = [p for group in opt.param_groups for p in group["params"]]
-    returning = [p for p in params if p in opt.state and "prev_param" in opt.state[p]]
+    returning = [p for p in params if p in opt.state and holds_previous_iterate(opt.state[p])]
     returning_set = set(returning)
     rng = _rng_state(params)
     if returning:
@@ -63,9 +63,36 @@ def evaluate_at_previous_then_current(opt, closure):
         loss = closure()
     opt._check_gradients()  # noqa: SLF001  (a first step's prev_param is not kept either)
     for p in params:
-        if "prev_param" not in opt.state[p] and p.grad is not None:
-            opt.state[p]["prev_param"] = p.detach().clone()
+        if p not in returning_set and p.grad is not None:  # its first step: x_t is kept
+            st = opt.state[p]
+            if "prev_param" in st:  # init_state's placeholder
+                st["prev_param"].copy_(p.detach())
+            else:
+                st["prev_param"] = p.detach().clone()
     return loss
+
+
+def holds_previous_iterate(st):
+    """Whether ``st["prev_param"]`` is x_{t-1}: it is there and the tensor has taken a step.
+    ``init_state`` creates it as zeros before the first step (a checkpoint template must
+    name it, or DCP and torchtitan's flat layout do not load it back), so presence alone
+    does not say it; the step counter does, since the first step that gives the tensor a
+    gradient keeps x_t as ``prev_param`` and counts. ``step`` is a CPU tensor: no device
+    read."""
+    return "prev_param" in st and bool(st.get("step", 0) > 0)
+
+
+@torch.no_grad()
+def init_previous_iterates(opt, params):
+    """Exact mode's ``prev_param`` for ``init_state``: zeros like each of ``params`` that has
+    none (a DTensor parameter gets a DTensor), a placeholder until the tensor's first step
+    (``holds_previous_iterate``). Approx mode keeps no x_{t-1}: nothing is created."""
+    if opt.param_groups[0]["is_approx"]:
+        return
+    for p in params:
+        st = opt.state[p]
+        if "prev_param" not in st:
+            st["prev_param"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def forget_missing_gradients(opt):

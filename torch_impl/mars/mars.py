@@ -384,15 +384,20 @@ class MARS(Optimizer):
         changes nothing.  A parameter with ``requires_grad=False`` gets no state (nor does
         the init step give it a gradient).  One that requires a gradient but never gets one
         keeps its zero state: a step without its gradient skips it, as always (its
-        ``last_grad`` is zeroed, M2, which it already is).  Exact mode's ``prev_param``
-        (x_{t-1}, made by the first closure step) and ``previous_grad`` (the authors' loop)
-        are not created: their presence selects what a step does (a re-evaluation at
-        x_{t-1}; the authors' loop), so the loop that uses them creates them, as before.
+        ``last_grad`` is zeroed, M2, which it already is).  In exact mode ``prev_param``
+        (x_{t-1}) is created too, as zeros: a checkpoint template (DCP's ``dcp.load``,
+        torchtitan's flat layout) loads only the names the live state has, so without it
+        a resumed closure loop would lose x_{t-1} and silently skip its re-evaluation (a
+        different run, 5e-3 after 3 steps).  It counts as x_{t-1} once the tensor has taken
+        a step (``exact_mode.holds_previous_iterate``); the authors' loop never reads it.
+        ``previous_grad`` (the authors' loop) is not created: its presence selects that
+        loop, and it is rewritten before every step, so a checkpoint needs none.
         """
         for group in self.param_groups:
             fresh = [p for p in group["params"] if p.requires_grad and not self.state.get(p)]
             for _ in self._create_state(group, fresh):
                 pass
+            exact_mode.init_previous_iterates(self, fresh)
 
     def _evaluate_at_previous_iterate_then_current(self, closure):
         """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t

@@ -291,12 +291,14 @@ class MARSM(Optimizer):
         host.  A parameter that already has state keeps it, so a second call changes
         nothing; one with ``requires_grad=False`` gets none; one that never gets a gradient
         keeps its zero state, and a step without its gradient skips it as always.  Exact
-        mode's ``prev_param`` and ``previous_grad`` are left to the loop that uses them
-        (their presence selects what a step does; see ``MARS.init_state``)."""
+        mode's ``prev_param`` is created as zeros, x_{t-1} once the tensor has taken a step,
+        so checkpoint templates carry it; ``previous_grad`` is left to the authors' loop
+        (see ``MARS.init_state``)."""
         for group in self.param_groups:
             fresh = [p for p in group["params"] if p.requires_grad and not self.state.get(p)]
             for _ in self._create_state(group, fresh):
                 pass
+            exact_mode.init_previous_iterates(self, fresh)
 
 
 def _kind(p, group):
