@@ -21,6 +21,7 @@ from .mutants_hf import HF_MUTANTS
 from .mutants_peers import PEER_MUTANTS
 from .mutants_init_state import INIT_STATE_MUTANTS
 from .mutants_torchtitan import TORCHTITAN_MUTANTS
+from .mutants_grouped_experts import GROUPED_EXPERTS_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -536,7 +537,8 @@ MUTANTS = {
 for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_MUTANTS,
                 LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS, EXPERTS_MUTANTS,
                 MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS, ORTHOGONALISER_MUTANTS,
-                HF_MUTANTS, PEER_MUTANTS, INIT_STATE_MUTANTS, TORCHTITAN_MUTANTS):
+                HF_MUTANTS, PEER_MUTANTS, INIT_STATE_MUTANTS, TORCHTITAN_MUTANTS,
+                GROUPED_EXPERTS_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 

@@ -53,7 +53,7 @@ EXPERTS_MUTANTS = {
                "        finite_v = torch.isfinite(v).all()"),
         # a pair's mask read in slot-major order instead of its token's
         Mutant(T_EC, "            mask = None if found.mask is None else found.mask[token]",
-               "            mask = None if found.mask is None else found.mask.repeat(index.shape[1])"),
+               "            mask = None if found.mask is None else found.mask.repeat(token.numel() // found.mask.numel())"),
         # the per-expert counts lost on the wire: every expert divided by the stack's total
         Mutant(T_DIST, "                rows = sums[2]\n", "                rows = sums[2].sum()\n"),
         # the row tracker's mask cache keyed without the rows' shape: flattened rows (a MoE

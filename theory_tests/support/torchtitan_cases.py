@@ -7,6 +7,7 @@ modules), because FlexAttention has no backward on CPU in torch 2.13 ("FlexAtten
 support backward on CPU"). No parameter changes: the attention kernel has none.
 """
 import copy
+import io
 
 import torch
 from torchtitan.components.optimizer import ParamGroupConfig
@@ -46,10 +47,15 @@ def config(case, implementation="foreach", pattern=r".*"):
 
 def debug_model(seed=0, dtype=torch.float64):
     """torchtitan's llama3 debug model (module docstring), initialised from ``seed``."""
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
     spec = model_registry("debugmodel")
     cfg = spec.model
+    return _build(cfg, seed, dtype)
+
+
+def _build(cfg, seed, dtype):
+    """``cfg``'s model with SDPA for FlexAttention, initialised from ``seed`` in ``dtype``."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     torch.manual_seed(seed)
@@ -81,3 +87,58 @@ def lm_step(model, optimizers, batch_tokens, world=1):
     optimizers.step()
     optimizers.zero_grad()
     return loss.detach()
+
+
+def moe_model(seed=0, dtype=torch.float64, dim=32, layers=2, experts=4, top_k=2, hidden=16,
+              vocab=64, load_balance=True):
+    """A small torchtitan qwen3 MoE model: ``debugmodel_moe``'s construction (qwen3's own
+    config builders: RMSNorm, fused QKV with qk-norm, CosSin RoPE, a token-choice softmax
+    router with route_norm, ``GroupedExperts`` behind the local token dispatcher, the expert
+    bias of auxiliary-loss-free load balancing) at a test's size, with SDPA attention as
+    :func:`debug_model` (module docstring); ``load_balance=False`` drops the expert bias."""
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models import qwen3
+    head_dim = 16
+    cfg = qwen3.Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab,
+                              param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=layers, dim=dim, n_heads=2, n_kv_heads=1,
+            head_dim=head_dim, moe_hidden_dim=hidden, num_experts=experts, top_k=top_k,
+            attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6)))
+    if not load_balance:
+        for layer in cfg.layers:
+            layer.moe.load_balance_coeff = None
+    return _build(cfg, seed, dtype)
+
+
+class OneProcess:
+    """The ``ParallelDims`` of one process, as torchtitan's MoE load-balancing hook reads it
+    (``register_moe_load_balancing_hook``: no loss mesh, no EP, no TP)."""
+
+    ep_enabled, tp = False, 1
+
+    def get_optional_mesh(self, dims, **kwargs):
+        return None
+
+
+def moe_optimizers(case, model):
+    """Our container for ``case`` on a :func:`moe_model`, with torchtitan's load-balancing
+    hook (qwen3's ``post_optimizer_build_fn``) registered as its trainer does."""
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    optimizers = config(case).build(model_parts=[model])
+    register_moe_load_balancing_hook(optimizers, [model], OneProcess())
+    return optimizers
+
+
+def saved(obj):
+    """``obj`` through a ``torch.save`` / ``torch.load`` round trip (what a checkpoint keeps)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -32,10 +32,19 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .experts import FusedExpertsType, expert_projections, is_fused_experts, layout_problem
+from .expert_layouts import FusedExpertsType
+from .experts import TRANSFORMERS
 from .layers import layer_type_for
+from .titan_experts import TITAN
 
 EXPERTS = FusedExpertsType()
+#: the fused-experts layouts (:class:`~.expert_layouts.ExpertsLayout` adapters), first match wins
+EXPERTS_LAYOUTS = (TRANSFORMERS, TITAN)
+
+
+def experts_layout(module):
+    """The :class:`~.expert_layouts.ExpertsLayout` of a fused experts ``module``, or None."""
+    return next((layout for layout in EXPERTS_LAYOUTS if layout.matches(module)), None)
 
 __all__ = ["Layer", "Discovery", "discover", "unwrap_model", "DEFAULT_MAX_FACTOR_DIM",
            "warn_identity_sides", "warn_nothing_preconditioned"]
@@ -131,7 +140,7 @@ def _routers(model):
     out = {}
     for parent_name, parent in model.named_modules():
         children = dict(parent.named_children())
-        experts = [n for n, c in children.items() if is_fused_experts(c)]
+        experts = [n for n, c in children.items() if experts_layout(c) is not None]
         for n, child in children.items():
             if experts and n not in experts and layer_type_for(child) is None and any(
                     True for _ in child.parameters(recurse=False)) and \
@@ -217,10 +226,12 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
         if name in routers:
             judge(name, module, None, routers[name])
             continue
-        if is_fused_experts(module):  # a stack of E linear layers per projection
-            problem = layout_problem(module)
+        layout = experts_layout(module)
+        if layout is not None:  # a stack of E linear layers per projection
+            parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+            problem = layout.problem(module, parent)
             prefix = f"{name}." if name else ""
-            projections = expert_projections(module) if problem is None else []
+            projections = layout.projections(module) if problem is None else []
             for pname, projection in projections:
                 owners.setdefault(id(projection.weight), [])
                 owners[id(projection.weight)] = [

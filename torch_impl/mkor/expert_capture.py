@@ -1,11 +1,11 @@
-"""The capture of fused experts modules (:mod:`.experts`), a part of :class:`~.capture.Capture`:
-one forward hook per experts module for both its projections. The rows are recomputed from the
+"""The capture of fused experts modules (:mod:`.expert_layouts`: transformers' and torchtitan's,
+each through its layout adapter), a part of :class:`~.capture.Capture`: one forward hook per
+experts module for all its projections. The rows are recomputed from the
 call's inputs and the gradient of its output in that output's gradient hook, under the
 autocast state the forward ran in, and each routed pair reads its token's mask; pairing,
 recomputes, masks and the self-check are the capture's own (``paper_notes/moe.md``)."""
 import torch
 
-from .experts import bind_expert_inputs, expert_rows
 from .hook_guards import _guarded, _in_backward, _named_error, _untracked
 
 __all__ = ["ExpertsCapture"]
@@ -15,12 +15,11 @@ class ExpertsCapture:
     """The fused-experts methods of :class:`~.capture.Capture` (which they call back into)."""
 
     def _experts_rows(self, layers, module, inputs, grad, ctx, found):
-        """Commit one call's statistics of both projections of a fused experts module from
-        the gradient of its output (:func:`~.experts.expert_rows`); ``found``: the layout of
+        """Commit one call's statistics of every projection of a fused experts module from
+        the gradient of its output (the layout adapter's ``rows``); ``found``: the layout of
         the call's token rows, followed to each routed pair through its token."""
-        hidden, index, weights = inputs
         with _untracked(ctx):
-            token, expert, rows = expert_rows(module, hidden, index, weights, grad)
+            token, expert, rows = layers[0].module.layout.rows(module, inputs, grad)
             mask = None if found.mask is None else found.mask[token]
             checking = self.check.checking
             for layer, (a, g) in zip(layers, rows):
@@ -45,7 +44,7 @@ class ExpertsCapture:
                 if output.requires_grad:
                     self.eval_seen.update(layer.name for layer in layers)
                 return
-            inputs = bind_expert_inputs(module, args, kwargs)
+            inputs = layers[0].module.layout.bind(module, args, kwargs)
             hidden = inputs[0]
             lead = tuple(hidden.shape[:-1])
 

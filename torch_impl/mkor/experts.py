@@ -30,17 +30,19 @@ module's inputs and the gradient of its output, in the gradient hook: one more p
 the routed experts, with the module's own ``_apply_gate``, activation and norm, so every
 layout the decorator declares is handled. Refused with the layout named: expert parallelism
 (sentinel expert ids); a forward that does not take (hidden_states, top_k_index,
-top_k_weights).
+top_k_weights). :class:`TransformersExperts` is this layout's adapter
+(:mod:`.expert_layouts`; torchtitan's ``GroupedExperts`` is :mod:`.titan_experts`).
 """
 import inspect
 
 import torch
 import torch.nn.functional as F
 
-from .layers import LayerType
+from .expert_layouts import ExpertProjection, ExpertsLayout, FusedExpertsType
+from .expert_layouts import product_dtype as _product_dtype
 
-__all__ = ["ExpertProjection", "FusedExpertsType", "is_fused_experts", "expert_projections",
-           "expert_rows", "bind_expert_inputs"]
+__all__ = ["ExpertProjection", "FusedExpertsType", "TransformersExperts", "TRANSFORMERS",
+           "is_fused_experts", "expert_projections", "expert_rows", "bind_expert_inputs"]
 
 #: what ``use_experts_implementation`` sets on every instance of a decorated class
 _LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -67,29 +69,12 @@ def is_fused_experts(module):
             and getattr(forward, "__wrapped__", None) is not None)
 
 
-class ExpertProjection:
-    """One projection of a fused experts module as a layer-like object: ``weight`` the 3-D
-    parameter, ``bias`` its (E, d_out) bias or None, ``training`` the module's."""
-
-    def __init__(self, experts, weight_name):
-        self.experts, self.weight_name = experts, weight_name
-        self.weight = getattr(experts, weight_name)
-        self.bias = getattr(experts, weight_name + "_bias", None) if experts.has_bias else None
-        self.transposed = bool(experts.is_transposed)
-
-    @property
-    def training(self):
-        return self.experts.training
-
-    def __repr__(self):
-        return f"ExpertProjection({type(self.experts).__name__}.{self.weight_name})"
-
-
 def expert_projections(module):
     """[(parameter name, ExpertProjection)] of a fused experts module: the up (or gate-up)
     projection, then the down projection."""
     up = "gate_up_proj" if module.has_gate else "up_proj"
-    return [(up, ExpertProjection(module, up)), ("down_proj", ExpertProjection(module, "down_proj"))]
+    return [(n, ExpertProjection(module, n, TRANSFORMERS, n + "_bias" if module.has_bias else None,
+                                 module.is_transposed)) for n in (up, "down_proj")]
 
 
 def layout_problem(module):
@@ -113,25 +98,6 @@ def layout_problem(module):
         if module.has_bias and (b is None or tuple(b.shape) != (E, d_out)):
             return f"fused experts declare has_bias but {n}_bias is not an (E, {d_out}) tensor"
     return None
-
-
-class FusedExpertsType(LayerType):
-    """One projection of a fused experts module: E linear layers (module docstring)."""
-
-    name = "experts"
-
-    def matches(self, module):
-        return isinstance(module, ExpertProjection)
-
-    def stack(self, module):
-        return module.weight.shape[0]
-
-    def shape(self, module):
-        _, rows, cols = module.weight.shape
-        return (cols, rows) if module.transposed else (rows, cols)
-
-    def as_matrix(self, module, weight_like):
-        return weight_like.mT if module.transposed else weight_like
 
 
 def bind_expert_inputs(module, args, kwargs):
@@ -204,12 +170,26 @@ def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
     return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]
 
 
-def _product_dtype(rows, weight):
-    """The dtype of the forward's product rows @ W (before any bias): the autocast dtype
-    under autocast. The weight's gradient is formed from the gradient of that product, which
-    autograd rounds to it (a bf16 product plus a float32 bias: a float32 sum whose gradient
-    reaches the product in bf16)."""
-    device = rows.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return torch.promote_types(rows.dtype, weight.dtype)
+class TransformersExperts(ExpertsLayout):
+    """The adapter (:class:`~.expert_layouts.ExpertsLayout`) of transformers 5's fused
+    experts: the functions above."""
+
+    name = "transformers fused experts"
+
+    def matches(self, module):
+        return is_fused_experts(module)
+
+    def problem(self, module, parent=None):
+        return layout_problem(module)
+
+    def projections(self, module):
+        return expert_projections(module)
+
+    def bind(self, module, args, kwargs):
+        return bind_expert_inputs(module, args, kwargs)
+
+    def rows(self, module, inputs, grad_out):
+        return expert_rows(module, *inputs, grad_out)
+
+
+TRANSFORMERS = TransformersExperts()
