@@ -23,6 +23,7 @@ from torchtitan.components.optimizer.utils import (get_flat_optim_state_dict, in
 
 from torch_impl import KFAC, LAMB, MARS, MARSM, MKOR
 from torch_impl.integrations.torchtitan import Optimizers
+from theory_tests.support.checkpoint_checks import assert_same as _assert_same
 from theory_tests.support.torchtitan_cases import (CONFIGS, config, debug_model, lm_step,
                                                    optimizer_name, tokens)
 
@@ -53,21 +54,6 @@ def _snapshot(opts):
     torch.save([o.state_dict() for o in opts], buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
-
-
-def _assert_same(a, b, where=""):
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 def _params(model):

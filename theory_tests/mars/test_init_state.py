@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchtitan.components.optimizer.utils import init_optim_state
 
 from torch_impl import MARS, MARS_M, MARS_M_Efficient, MARSM
+from theory_tests.support.checkpoint_checks import dcp_round_trip
 
 F32, F64 = torch.float32, torch.float64
 STEPS = 3
@@ -373,25 +374,16 @@ def test_a_template_resumed_exact_loop_keeps_its_previous_iterate(name, tmp_path
     loads only the names the template has, so the closure loop's x_{t-1} (``prev_param``)
     comes back only because init_state() names it; without it the resumed loop skipped its
     re-evaluation at x_{t-1} and ran differently (5e-3 after 3 more steps, measured)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
     for k in (0, 2):
         net_a, opt_a = build(name)
         opt_a.init_state()
         run(name, net_a, opt_a, k)
-        model_sd, optim_sd = get_state_dict(net_a, opt_a)
-        where = str(tmp_path / f"k{k}")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where, no_dist=True)
         net_b, opt_b = build(name)
         with torch.no_grad():
             for p in params_of(net_b):
                 p.add_(1.0)  # the fresh job's own weights: the checkpoint must bring them
         opt_b.init_state()
-        model_t, optim_t = get_state_dict(net_b, opt_b)
-        template = {"model": model_t, "optim": optim_t}
-        dcp.load(template, checkpoint_id=where, no_dist=True)
-        set_state_dict(net_b, opt_b, model_state_dict=template["model"],
-                       optim_state_dict=template["optim"])
+        dcp_round_trip(net_a, opt_a, net_b, opt_b, str(tmp_path / f"k{k}"))
         if k and CASES[name][2] == "closure":
             assert all(torch.equal(opt_b.state[q]["prev_param"], opt_a.state[p]["prev_param"])
                        for p, q in zip(params_of(net_a), params_of(net_b))

@@ -17,10 +17,10 @@ import io
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from torch_impl import KFAC, MKOR
+from theory_tests.support.checkpoint_checks import assert_same, dcp_round_trip
 
 CASES = {
     "mkor": lambda net: MKOR(net, torch.optim.AdamW(net.parameters(), lr=1e-2), inv_freq=2),
@@ -51,21 +51,6 @@ def _copy(obj):
     return torch.load(buffer, weights_only=False)
 
 
-def _assert_same(a, b, where=""):
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), (where, set(a) ^ set(b))
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 def _names(state_dict):
     """{param index: {name: sub-names}}: what a template asks a checkpoint for."""
     return {i: {k: sorted(v) if isinstance(v, dict) else None for k, v in st.items()}
@@ -84,7 +69,7 @@ def test_init_state_then_steps_is_the_fresh_run(case):
         _step(net_b, inited, t)
     for p, q in zip(net_a.parameters(), net_b.parameters()):
         assert torch.equal(p, q)
-    _assert_same(_copy(fresh.state_dict()), _copy(inited.state_dict()))
+    assert_same(_copy(fresh.state_dict()), _copy(inited.state_dict()))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -107,18 +92,11 @@ def test_a_dcp_template_resumes_bit_for_bit(case, tmp_path):
         opt_a.init_state()
         for t in range(k):
             _step(net_a, opt_a, t)
-        model_sd, optim_sd = get_state_dict(net_a, opt_a)
-        where = str(tmp_path / f"k{k}")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where, no_dist=True)
         net_b = _net(seed=1)
         opt_b = CASES[case](net_b)
         opt_b.init_state()
-        model_t, optim_t = get_state_dict(net_b, opt_b)
-        template = {"model": model_t, "optim": optim_t}
-        dcp.load(template, checkpoint_id=where, no_dist=True)
-        set_state_dict(net_b, opt_b, model_state_dict=template["model"],
-                       optim_state_dict=template["optim"])
-        _assert_same(_copy(opt_a.state_dict()), _copy(opt_b.state_dict()), f"k={k}")
+        dcp_round_trip(net_a, opt_a, net_b, opt_b, str(tmp_path / f"k{k}"))
+        assert_same(_copy(opt_a.state_dict()), _copy(opt_b.state_dict()), f"k={k}")
         for t in range(k, k + 4):
             _step(net_a, opt_a, t)
             _step(net_b, opt_b, t)
