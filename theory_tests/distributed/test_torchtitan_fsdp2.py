@@ -8,8 +8,8 @@ job's templates (another seed) on 3 ranks (and on 2), then ``load_state_dict``.
 
 The checkpoint restores every tensor bit for bit on 2 and 3 ranks; the resumed run equals the
 uninterrupted one on 2 ranks bit for bit when resumed on 2, and on 3 (each rank's slice of the
-6-sequence batch summed in a different order) to 1e-12 relative for MARS and AdamW (MKOR and
-K-FAC: the test's docstring).
+6-sequence batch summed in a different order) to 1e-12 relative for MARS and AdamW, 1e-7 for
+MKOR (float32 factors) and 1e-11 for K-FAC (the test's docstring).
 torchtitan's trainer itself is CUDA-first; everything beneath it runs here.
 """
 import pytest
@@ -21,6 +21,7 @@ from theory_tests.support.distributed_harness import run
 GLOBAL_BATCH, STEPS, SAVE_AT = 6, 4, 2
 CASES = {"MARS": {}, "AdamW": {}, "MKOR": {"factor_placement": "owner"},
          "KFAC": {"factor_placement": "owner"}}
+BOUNDS = {"MARS": 1e-12, "AdamW": 1e-12, "MKOR": 1e-7, "KFAC": 1e-11}  # resumed on 3 vs on 2
 
 
 def _job(rank, world, root, case, mode):
@@ -98,10 +99,13 @@ def _merged(states):
 def test_saved_on_two_ranks_resumes_on_three_and_two(tmp_path, case):
     """The checkpoint restores everything on 2 and on 3 ranks bit for bit (parameters, the
     backbone's state, MKOR's / K-FAC's factors and counters merged over their owners); on 2
-    the continuation is the uninterrupted run bit for bit; on 3, for MARS and AdamW, to 1e-12
-    relative. MKOR's and K-FAC's runs are not invariant to the world size at that level (the
-    measured 2-vs-3-rank difference of the uninterrupted runs is printed and bounds the
-    resumed one: paper_notes/torchtitan.md), so their continuation on 3 is held to it."""
+    the continuation is the uninterrupted run bit for bit; on 3 it equals it within
+    ``BOUNDS``: 1e-12 relative for MARS and AdamW; MKOR's and K-FAC's runs on 2 and 3 ranks
+    differ by the rounding that ``test_torchtitan_statistics.py`` explains (MKOR's float32
+    factors: each rank rounds its partial sums to float32 before the all-reduce; K-FAC:
+    float64 through the eigenbases; both amplified by AdamW's first steps on entries near
+    eps), so measured 8.4e-9 (MKOR) and 1.5e-13 (K-FAC) for the two resumed steps, bounded
+    by 1e-7 and 1e-11."""
     root = str(tmp_path / case)
     _, uninterrupted = run(_job, 2, root, case, "full", timeout=300)[0]
     saved = [r[0] for r in run(_job, 2, root, case, "save", timeout=300)]
@@ -115,14 +119,7 @@ def test_saved_on_two_ranks_resumes_on_three_and_two(tmp_path, case):
                          f"{case} on {world}: preconditioner")
     for a, b in zip(resumed[2][0][1], uninterrupted):
         assert torch.equal(a, b)
-    rel = lambda xs: max(((a - b).abs().max() / b.abs().max()).item()
-                         for a, b in zip(xs, uninterrupted))
-    worst = rel(resumed[3][0][1])
-    if case in ("MARS", "AdamW"):
-        bound = 1e-12
-    else:
-        _, on_three = run(_job, 3, root, case, "full", timeout=300)[0]
-        bound = 2 * rel(on_three)
-        print(f"{case}: uninterrupted on 3 vs on 2: {rel(on_three):.2e}")
+    worst = max(((a - b).abs().max() / b.abs().max()).item()
+                for a, b in zip(resumed[3][0][1], uninterrupted))
     print(f"{case}: resumed on 3 vs uninterrupted on 2: max relative difference {worst:.2e}")
-    assert worst <= bound
+    assert worst <= BOUNDS[case]

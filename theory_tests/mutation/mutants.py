@@ -22,6 +22,7 @@ from .mutants_peers import PEER_MUTANTS
 from .mutants_init_state import INIT_STATE_MUTANTS
 from .mutants_torchtitan import TORCHTITAN_MUTANTS
 from .mutants_grouped_experts import GROUPED_EXPERTS_MUTANTS
+from .mutants_torchtitan_scale import TORCHTITAN_SCALE_MUTANTS
 
 __all__ = ["Mutant", "MUTANTS"]
 
@@ -538,7 +539,7 @@ for _family in (MARS_MUTANTS, MARS_PROPERTY_MUTANTS, ISSUE30_MUTANTS, NEWCOMER_M
                 LOW_PRECISION_MUTANTS, FIGURES_REPRO_MUTANTS, EXPERTS_MUTANTS,
                 MATRIX_BATCH_MUTANTS, KFAC_EXPERTS_MUTANTS, ORTHOGONALISER_MUTANTS,
                 HF_MUTANTS, PEER_MUTANTS, INIT_STATE_MUTANTS, TORCHTITAN_MUTANTS,
-                GROUPED_EXPERTS_MUTANTS):
+                GROUPED_EXPERTS_MUTANTS, TORCHTITAN_SCALE_MUTANTS):
     for _row, _mutants in _family.items():
         MUTANTS[_row] = MUTANTS.get(_row, []) + list(_mutants)
 
