@@ -55,7 +55,7 @@ INIT_STATE_MUTANTS = {
         Mutant(T_MARS, _PLACEHOLDERS, "            pass"),
         Mutant(T_MM, _PLACEHOLDERS, "            pass"),
         # the placeholder taken for x_{t-1} (presence alone): step 1 re-evaluates at zeros
-        Mutant(T_EX, '    return "prev_param" in st and bool(st.get("step", 0) > 0)',
+        Mutant(T_EX, '    return "prev_param" in st and float(st.get("step", 0)) > 0',
                '    return "prev_param" in st'),
         # the placeholder never filled at the tensor's first step
         Mutant(T_EX, '                st["prev_param"].copy_(p.detach())', "                pass"),

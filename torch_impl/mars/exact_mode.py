@@ -77,9 +77,9 @@ def holds_previous_iterate(st):
     ``init_state`` creates it as zeros before the first step (a checkpoint template must
     name it, or DCP and torchtitan's flat layout do not load it back), so presence alone
     does not say it; the step counter does, since the first step that gives the tensor a
-    gradient keeps x_t as ``prev_param`` and counts. ``step`` is a CPU tensor: no device
-    read."""
-    return "prev_param" in st and bool(st.get("step", 0) > 0)
+    gradient keeps x_t as ``prev_param`` and counts. ``step`` is a CPU tensor, read itself
+    (no device read, no temporary)."""
+    return "prev_param" in st and float(st.get("step", 0)) > 0
 
 
 @torch.no_grad()
