@@ -316,9 +316,9 @@ MARS_MUTANTS = {
         # LAMB's step no longer torch's
         Mutant("torch_impl/baselines/lamb.py", "    def step(self, closure=None):", "    def step(self, closure):"),
         # MKOR's / K-FAC's state not carried where DCP keeps it, or not taken back from there
-        Mutant("torch_impl/mkor/wrapper.py", "            packed[i] = dict(packed.get(i, {}), **entry)",
+        Mutant("torch_impl/mkor/checkpoints.py", "            packed[i] = dict(packed.get(i, {}), **entry)",
                "            packed[i] = dict(packed.get(i, {}))"),
-        Mutant("torch_impl/mkor/wrapper.py", "            own = placed if placed is not None else own", "            own = own"),
+        Mutant("torch_impl/mkor/checkpoints.py", "            own = placed if placed is not None else own", "            own = own"),
         # each layer's state loaded into the layer after it (the saved keys matched by order)
         Mutant("torch_impl/mkor/state_layout.py", "    return {id(p): k for p, k in zip(live, saved)}",
                "    return {id(p): k for p, k in zip(live, saved[1:] + saved[:1])}"),
