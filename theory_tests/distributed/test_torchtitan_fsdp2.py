@@ -24,7 +24,12 @@ CASES = {"MARS": {}, "AdamW": {}, "MKOR": {"factor_placement": "owner"},
 BOUNDS = {"MARS": 1e-12, "AdamW": 1e-12, "MKOR": 1e-7, "KFAC": 1e-11}  # resumed on 3 vs on 2
 
 
-def _job(rank, world, root, case, mode):
+def _job(rank, world, root, case, mode, options=None, build=None, vocab=2048):
+    """One rank of a run of ``STEPS`` steps (``mode`` "full"), of its first ``SAVE_AT`` saved
+    to ``root`` ("save"), or of the rest resumed from there ("resume"): ``build(seed)`` the
+    model (default the llama3 debug model) over ``vocab`` tokens, ``options`` the factory's
+    (default ``CASES[case]``). Returns what the load restored and where the run ended, both
+    as :func:`_whole`."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -34,17 +39,19 @@ def _job(rank, world, root, case, mode):
 
     from theory_tests.support.torchtitan_cases import config, debug_model, lm_step, tokens
     warnings.simplefilter("ignore")
-    model = debug_model(seed=0 if mode != "resume" else 1)
+    model = (build or debug_model)(seed=0 if mode != "resume" else 1)
     apply_fsdp_to_decoder(model, init_device_mesh("cpu", (world,)), torch.float64,
                           torch.float64, pp_enabled=False)
     cfg = config(case)
-    cfg.optimizer_factory_kwargs_by_name[case].update(CASES[case])
+    cfg.optimizer_factory_kwargs_by_name[case].update(CASES[case] if options is None
+                                                       else options)
     opts = cfg.build(model_parts=[model])
     per = GLOBAL_BATCH // world
 
     def train(steps):
         for t in steps:
-            lm_step(model, opts, tokens(t, GLOBAL_BATCH)[rank * per:(rank + 1) * per], world)
+            lm_step(model, opts, tokens(t, GLOBAL_BATCH, vocab)[rank * per:(rank + 1) * per],
+                    world)
 
     loaded = None
     if mode == "resume":
@@ -61,7 +68,7 @@ def _job(rank, world, root, case, mode):
         return _whole(model, opts), None
     else:
         train(range(STEPS))
-    return loaded, [p.detach().full_tensor().clone() for p in model.parameters()]
+    return loaded, _whole(model, opts)
 
 
 def _whole(model, opts):
@@ -81,17 +88,45 @@ def _whole(model, opts):
     return out
 
 
-def _merged(states):
+def _merged(states, replicated=False):
     """One preconditioner state from every rank's: each layer's entry from the rank holding
-    it (owner placement: one rank each); the run's counters, which every rank holds."""
+    it (owner placement: one rank each; ``replicated``: every rank, the same); the run's
+    counters, which every rank holds."""
     layers = {}
     for state in states:
         for name, layer in state["layers"].items():
-            if layer:
+            if layer and replicated and name in layers:
+                _assert_same(layers[name], layer, f"{name} on two ranks")
+            elif layer:
                 assert name not in layers, f"{name} held twice"
                 layers[name] = layer
     # grad_scale: each job's own (factor / world of its FSDP groups), not the checkpoint's
     return dict({k: v for k, v in states[0].items() if k != "grad_scale"}, layers=layers)
+
+
+def _save_and_resume(root, case, options=None, build=None, vocab=2048):
+    """Runs ``case`` (:func:`_job`'s arguments) uninterrupted on 2 ranks, saved on 2 and resumed
+    on 2 and 3; asserts that the load restores every tensor bit for bit on both (parameters,
+    the backbone's state, the preconditioner's merged over its ranks) and that resumed on 2
+    the run ends as the uninterrupted one, bit for bit. Returns every rank's end (as
+    :func:`_whole`) of the uninterrupted run and of the run resumed on 3."""
+    options = CASES[case] if options is None else options
+    replicated = options.get("factor_placement", "replicated") == "replicated"
+    args = (options, build, vocab)
+    uninterrupted = [r[1] for r in run(_job, 2, root, case, "full", *args, timeout=300)]
+    saved = [r[0] for r in run(_job, 2, root, case, "save", *args, timeout=300)]
+    resumed = {world: run(_job, world, root, case, "resume", *args, timeout=300)
+               for world in (2, 3)}
+    for world, ranks in resumed.items():
+        for key in ("params", "backbone"):
+            _assert_same(saved[0][key], ranks[0][0][key], f"{case} on {world}: {key}")
+        if "preconditioner" in saved[0]:
+            _assert_same(_merged([s["preconditioner"] for s in saved], replicated),
+                         _merged([r[0]["preconditioner"] for r in ranks], replicated),
+                         f"{case} on {world}: preconditioner")
+    for rank, end in enumerate(uninterrupted):
+        _assert_same(resumed[2][rank][1], end, f"{case}: resumed on 2, rank {rank}")
+    return uninterrupted, [r[1] for r in resumed[3]]
 
 
 @pytest.mark.slow
@@ -106,20 +141,8 @@ def test_saved_on_two_ranks_resumes_on_three_and_two(tmp_path, case):
     float64 through the eigenbases; both amplified by AdamW's first steps on entries near
     eps), so measured 8.4e-9 (MKOR) and 1.5e-13 (K-FAC) for the two resumed steps, bounded
     by 1e-7 and 1e-11."""
-    root = str(tmp_path / case)
-    _, uninterrupted = run(_job, 2, root, case, "full", timeout=300)[0]
-    saved = [r[0] for r in run(_job, 2, root, case, "save", timeout=300)]
-    resumed = {world: run(_job, world, root, case, "resume", timeout=300) for world in (2, 3)}
-    for world, ranks in resumed.items():
-        for key in ("params", "backbone"):
-            _assert_same(saved[0][key], ranks[0][0][key], f"{case} on {world}: {key}")
-        if "preconditioner" in saved[0]:
-            _assert_same(_merged([s["preconditioner"] for s in saved]),
-                         _merged([r[0]["preconditioner"] for r in ranks]),
-                         f"{case} on {world}: preconditioner")
-    for a, b in zip(resumed[2][0][1], uninterrupted):
-        assert torch.equal(a, b)
-    worst = max(((a - b).abs().max() / b.abs().max()).item()
-                for a, b in zip(resumed[3][0][1], uninterrupted))
+    uninterrupted, on_three = _save_and_resume(str(tmp_path / case), case)
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in
+                zip(on_three[0]["params"].values(), uninterrupted[0]["params"].values()))
     print(f"{case}: resumed on 3 vs uninterrupted on 2: max relative difference {worst:.2e}")
     assert worst <= BOUNDS[case]
