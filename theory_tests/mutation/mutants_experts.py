@@ -35,7 +35,7 @@ EXPERTS_MUTANTS = {
         Mutant(T_EC, "with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):",
                "with torch.autocast(autocast[0], dtype=autocast[1], enabled=False):"),
         # the up projection's gradient rows taken after its float32 bias, not of its product
-        Mutant(T_E, "    g_h = g_h.detach().to(_product_dtype(x, up.weight))\n",
+        Mutant(T_E, "    g_h = g_h.detach().to(product_dtype(x, up.weight))\n",
                "    g_h = g_h.detach()\n"),
         # an expert routed nothing updated anyway (with zero vectors)
         Mutant(T_P, "                    out.append((layer, _row_mean(a_sum, rows), g, rows > 0))",

@@ -38,8 +38,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .expert_layouts import ExpertProjection, ExpertsLayout, FusedExpertsType
-from .expert_layouts import product_dtype as _product_dtype
+from .expert_layouts import ExpertProjection, ExpertsLayout, FusedExpertsType, product_dtype
 
 __all__ = ["ExpertProjection", "FusedExpertsType", "TransformersExperts", "TRANSFORMERS",
            "is_fused_experts", "expert_projections", "expert_rows", "bind_expert_inputs"]
@@ -155,7 +154,7 @@ def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
         h = h.requires_grad_()
         a2 = module._apply_gate(h) if module.has_gate else module.act_fn(h)
         w = top_k_weights.reshape(-1, 1)
-        y_dtype = _product_dtype(a2, down.weight)
+        y_dtype = product_dtype(a2, down.weight)
         g_y = (w.to(grad_out.dtype) * grad_out.detach()[token]).to(y_dtype)
         if module.has_post_expert_norm:  # dL/dy through the norm applied after each expert
             y = _by_expert(lambda e, rows: _linear(rows, *weights(down, e), down.transposed),
@@ -166,7 +165,7 @@ def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
                                                   else down.weight.detach()[e]),
                           g_y.to(a2.dtype), order, counts)
         (g_h,) = torch.autograd.grad(a2, h, g_a2.to(a2.dtype))
-    g_h = g_h.detach().to(_product_dtype(x, up.weight))
+    g_h = g_h.detach().to(product_dtype(x, up.weight))
     return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]
 
 
