@@ -24,7 +24,7 @@ from theory_tests.support.moe_twin import build_twin, fused_view, tiny_moe_model
 from theory_tests.support.moe_twin import lm_batch as _batch
 from torch_impl.baselines import KFAC
 from torch_impl.baselines import kfac_equations as ke
-from torch_impl.mkor.layers import LinearType
+from torch_impl.kronecker.layers import LinearType
 
 pytest.importorskip("transformers")
 

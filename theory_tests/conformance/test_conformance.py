@@ -628,7 +628,7 @@ def test_parameters_without_gradients_get_no_state_and_do_not_move(case, dtype):
 def _own(opt, param, copy_fn=lambda x: x):
     """``opt.state[param]`` without a preconditioner's run entry (``mkor_run`` / ``kfac_run``:
     the step count and switch of the whole run, which rides on the first parameter, frozen or
-    not; :mod:`torch_impl.mkor.state_layout`)."""
+    not; :mod:`torch_impl.kronecker.state_layout`)."""
     state = opt.state.get(param)
     if state is None:
         return None

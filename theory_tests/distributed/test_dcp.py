@@ -343,7 +343,7 @@ def test_preconditioner_dcp_round_trip(tmp_path, name):
     """MKOR / K-FAC through get_state_dict + dcp.save / dcp.load + set_state_dict alone:
     DCP keeps only ``state`` and ``param_groups`` (``DCP_DROPS_PRECONDITIONER``), so the
     preconditioner's state rides on the parameters (each layer's on its weight, the run's on
-    the first parameter: ``torch_impl/mkor/state_layout.py``); it is checkpointed, its step
+    the first parameter: ``torch_impl/kronecker/state_layout.py``); it is checkpointed, its step
     count restored (after DCP's own zero-gradient step at lr 0 on the fresh optimizer) and
     the continuation is bit-identical."""
     saved_optim, (saved, restored), (resumed, uninterrupted) = \

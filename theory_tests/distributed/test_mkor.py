@@ -7,7 +7,7 @@ mean loss summed over rows = the mean of the ranks' sums), so every rank must ho
 factors and parameters of a single-process run on the concatenated batch, and the same
 ones on every rank, bit for bit (every rank applies the same updates to the same
 all-reduced buffer). The payload of a factor update is sum_m (d_in' + d_out) values plus
-one count per bias-free layer (``torch_impl.mkor.distributed``); K-FAC's is
+one count per bias-free layer (``torch_impl.kronecker.exchange``); K-FAC's is
 sum_m (d_in'^2 + d_out^2) plus the same counts.
 """
 import pytest

@@ -1,4 +1,4 @@
-"""What MKOR's all-reduce sends and how it is averaged (torch_impl.mkor.distributed).
+"""What MKOR's all-reduce sends and how it is averaged (torch_impl.kronecker.exchange).
 
 In-process tests simulate P ranks by summing their packed buffers (exactly what a SUM
 all-reduce computes); the gloo tests check the same on real ranks: reduced-precision error
@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 from torch_impl.baselines import KFAC
 
 from torch_impl.mkor import MKOR, LossRateSwitch
-from torch_impl.mkor.distributed import Packet
+from torch_impl.kronecker.exchange import Packet
 
 from theory_tests.support.distributed_harness import run
 
@@ -103,7 +103,7 @@ def test_mkor_payload_is_linear_and_kfac_quadratic_in_width():
 # -- on gloo ranks ---------------------------------------------------------------------------
 def _reduced_precision(rank, world):
     """Per wire dtype: the worst |mean_hat - mean| / bound over 3000 values spanning 6
-    decades, with bound = gamma_P * mean_r |v_r| + 2^-24 (torch_impl.mkor.distributed)."""
+    decades, with bound = gamma_P * mean_r |v_r| + 2^-24 (torch_impl.kronecker.exchange)."""
     g = torch.Generator().manual_seed(rank)
     v = torch.randn(3000, generator=g, dtype=torch.float64) * 10.0 ** (
         6 * torch.rand(3000, generator=g, dtype=torch.float64) - 3)

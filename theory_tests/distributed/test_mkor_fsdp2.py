@@ -1,5 +1,5 @@
 """MKOR and K-FAC on FSDP2 (``fully_shard``) models on 2 and 3 gloo CPU ranks (4: slow), against
-one process on the whole batch (issue 23; ``torch_impl/mkor/fsdp.py``).
+one process on the whole batch (issue 23; ``torch_impl/kronecker/placement.py``).
 
 Each rank runs an equal slice of the global batch through a ``fully_shard``ed model: the
 hooks see the unsharded layers, MKOR all-reduces (a_bar, g_bar) as under DDP, and every
@@ -337,7 +337,7 @@ def test_the_control_without_the_gather_is_wrong():
 def test_owners_are_balanced_and_deterministic():
     """Greedy longest-first: the costliest layer to the least-loaded rank, ties to the lower
     rank and, among equal costs, in layer order."""
-    from torch_impl.mkor.fsdp import assign_owners
+    from torch_impl.kronecker.placement import assign_owners
     costs = {"a": 49 + 25, "b": 4 + 49, "c": 9 + 4, "d": 16 + 9, "e": 9 + 16}
     assert assign_owners(costs, 2) == {"a": 0, "b": 1, "d": 1, "e": 0, "c": 1}
     assert assign_owners(costs, 3) == {"a": 0, "b": 1, "d": 2, "e": 2, "c": 2}

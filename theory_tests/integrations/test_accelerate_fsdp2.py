@@ -1,5 +1,5 @@
 """MKOR and K-FAC built *before* accelerate's FSDP2 ``prepare(model, optimizer)`` follow the
-parameter swap (``torch_impl/mkor/fsdp.py``, ParameterBinding), on 2 forked gloo CPU ranks.
+parameter swap (``torch_impl/kronecker/placement.py``, ParameterBinding), on 2 forked gloo CPU ranks.
 
 Accelerate's real code path: ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
 fsdp_version=2)).prepare(model, optimizer)``, i.e. ``Accelerator._prepare_fsdp2``, which

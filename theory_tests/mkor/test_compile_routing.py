@@ -1,5 +1,5 @@
 """A compiled model's capture steps run eagerly, its other steps compiled
-(``torch_impl/mkor/eager_capture.py``; issue 20 item 4).
+(``torch_impl/kronecker/capture/eager.py``; issue 20 item 4).
 
 Each claim is checked against the run without the feature: compiled equals eager, the
 graph breaks are the three around the model and never a layer's hook, and the router is
@@ -84,7 +84,7 @@ def test_compiled_equals_eager_and_breaks_only_around_the_model(kind, masked):
     for a, b in zip(compiled, eager):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
     # the forward is the model's, called from the router's eager region (row tracker around it)
-    assert disabled == {"Capture._model_pre_hook", "Capture._model_post_hook",
+    assert disabled == {"CallTracker._model_pre_hook", "CallTracker._model_post_hook",
                         "EagerCaptureSteps.tracked_forward"}
     assert graphs == 1
 

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from torch_impl.mkor.discovery import discover
+from torch_impl.kronecker.discovery import discover
 from torch_impl.mkor.factors import factor_update, max_entry_norm, precondition, rescale
 from torch_impl.mkor.layer_state import initial_layer_state, update_layer_factors
 from torch_impl.mkor.vectors import expert_row_sum, grad_row_sum, input_row_sum

@@ -1,5 +1,5 @@
 """torchtitan's ``GroupedExperts`` under MKOR and K-FAC: three stacks of E expert linear layers
-whose rows are the bf16 rows its grouped mms multiplied (``torch_impl/mkor/titan_experts.py``,
+whose rows are the bf16 rows its grouped mms multiplied (``torch_impl/kronecker/experts/torchtitan.py``,
 ``paper_notes/moe.md``).
 
 The reference is a twin (``theory_tests/support/titan_twin.py``): the same tiny model with a
@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("torchtitan")
 
 from torch_impl import KFAC, MKOR  # noqa: E402
-from torch_impl.mkor.titan_experts import TITAN  # noqa: E402
+from torch_impl.kronecker.experts.torchtitan import TITAN  # noqa: E402
 from theory_tests.support.titan_twin import (  # noqa: E402
     PARAMS, Routed, as_stacks, grouped_experts, hand_rows, routing, twin_of)
 

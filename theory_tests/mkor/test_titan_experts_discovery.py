@@ -1,5 +1,5 @@
 """Which torchtitan experts modules MKOR and K-FAC take as stacks, and what they refuse
-(``torch_impl/mkor/titan_experts.py``): recognised from structure (class, parameters,
+(``torch_impl/kronecker/experts/torchtitan.py``): recognised from structure (class, parameters,
 methods), never from a coincidence of names or shapes; expert parallelism refused."""
 import pytest
 import torch
@@ -10,7 +10,7 @@ pytest.importorskip("torchtitan")
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
 from torch_impl import KFAC, MKOR  # noqa: E402
-from torch_impl.mkor.hook_guards import CaptureError  # noqa: E402
+from torch_impl.kronecker.capture.guards import CaptureError  # noqa: E402
 from theory_tests.support.distributed_harness import run  # noqa: E402
 from theory_tests.support.titan_twin import PARAMS, Routed, grouped_experts, routing  # noqa: E402
 from theory_tests.support.torchtitan_cases import moe_model  # noqa: E402

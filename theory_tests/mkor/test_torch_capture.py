@@ -72,8 +72,8 @@ def test_mha_out_proj_vectors_are_exact():
 def test_mha_without_an_autograd_record_warns_once(monkeypatch):
     """If a future torch hides the out-projection's matmul, the layer must not be skipped
     silently: one RuntimeWarning names it, and its factors stay as they were."""
-    import torch_impl.mkor.capture as capture
-    monkeypatch.setattr(capture, "_find_matmul_input", lambda output, weight: None)
+    import torch_impl.kronecker.capture.attention as attention
+    monkeypatch.setattr(attention, "find_matmul_input", lambda output, weight: None)
     attn = nn.MultiheadAttention(8, 2, batch_first=True).double()
     mkor = MKOR(attn, torch.optim.SGD(attn.parameters(), lr=0.1), factor_dtype="float64")
     x = torch.randn(3, 5, 8, dtype=f64)

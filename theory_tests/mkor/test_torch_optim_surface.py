@@ -21,7 +21,7 @@ from torch_impl.baselines import KFAC, LAMB
 
 from torch_impl.mkor import MKOR
 from torch_impl.baselines import lamb as lamb_module
-from torch_impl.mkor.hook_objects import InertHook
+from torch_impl.kronecker.capture.hooks import InertHook
 
 f64 = torch.float64
 
@@ -312,7 +312,7 @@ def test_copying_or_pickling_the_preconditioner_is_refused(kind, how):
     assert f"{name} holds hooks on its model and cannot be copied or pickled" in message
     assert f"{name.lower()}.state_dict()" in message and "load_state_dict" in message
     assert info.value.__context__ is None and info.value.__cause__ is None
-    assert info.traceback[-1].path.name == "wrapper.py"
+    assert info.traceback[-1].path.name == "optimizer.py"
     assert pre.hooks_registered  # nothing was touched
     _train_step(model, pre, 0)
 
@@ -438,8 +438,8 @@ def test_a_copied_model_does_not_tap_the_original_mkor_h_losses():
     x = torch.randn(5, 4, dtype=f64)
     twin = copy.deepcopy(model)
     twin(x)["loss"].backward()
-    assert pre._feed.tapped == []
+    assert pre._hybrid.feed.tapped == []
     model(x)["loss"].backward()
-    assert len(pre._feed.tapped) == 1
+    assert len(pre._hybrid.feed.tapped) == 1
     pickle.loads(pickle.dumps(model))(x)["loss"].backward()
-    assert len(pre._feed.tapped) == 1
+    assert len(pre._hybrid.feed.tapped) == 1

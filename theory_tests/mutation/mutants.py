@@ -29,18 +29,22 @@ __all__ = ["Mutant", "MUTANTS"]
 
 R_F, T_F = "reference/mkor/factors.py", "torch_impl/mkor/factors.py"
 R_M, R_V = "reference/mkor/preconditioner.py", "reference/mkor/vectors.py"
-T_V, T_C = "torch_impl/mkor/vectors.py", "torch_impl/mkor/capture.py"
+T_V, T_C = "torch_impl/mkor/vectors.py", "torch_impl/kronecker/capture/capture.py"
 T_L, T_P = "torch_impl/mkor/layer_state.py", "torch_impl/mkor/preconditioner.py"
-T_D, T_K = "torch_impl/mkor/discovery.py", "torch_impl/baselines/kfac.py"
+T_D, T_K = "torch_impl/kronecker/discovery.py", "torch_impl/baselines/kfac.py"
 R_K, R_H, T_H = "reference/baselines/kfac.py", "reference/mkor/hybrid.py", "torch_impl/mkor/hybrid.py"
-T_LAYERS, T_W = "torch_impl/mkor/layers.py", "torch_impl/mkor/wrapper.py"
-T_DIST = "torch_impl/mkor/distributed.py"
-T_TM = "torch_impl/mkor/token_masks.py"
-T_RP = "torch_impl/mkor/row_provenance.py"
-T_SC = "torch_impl/mkor/self_check.py"
-T_EC = "torch_impl/mkor/eager_capture.py"
-T_HO = "torch_impl/mkor/hook_objects.py"
-T_FSDP = "torch_impl/mkor/fsdp.py"
+T_LAYERS, T_W = "torch_impl/kronecker/layers.py", "torch_impl/kronecker/optimizer.py"
+T_DIST = "torch_impl/kronecker/exchange.py"
+T_TM = "torch_impl/kronecker/capture/token_masks.py"
+T_RP = "torch_impl/kronecker/capture/row_provenance.py"
+T_SC = "torch_impl/kronecker/capture/self_check.py"
+T_EC = "torch_impl/kronecker/capture/eager.py"
+T_HO = "torch_impl/kronecker/capture/hooks.py"
+T_FSDP = "torch_impl/kronecker/placement.py"
+T_SHARD = "torch_impl/common/sharding.py"
+T_ST = "torch_impl/kronecker/capture/statistics.py"
+T_CALLS = "torch_impl/kronecker/capture/calls.py"
+T_VX = "torch_impl/mkor/vector_exchange.py"
 _REFUSALS = '    def __reduce_ex__(self, protocol, /):\n        self._refuse_copy()\n\n    def __reduce__(self, /):\n        self._refuse_copy()\n\n    def __getstate__(self):\n        self._refuse_copy()\n\n    __copy__ = __deepcopy__ = _refuse_copy'
 T_KC = "torch_impl/baselines/kfac_conventions.py"
 T_KE = "torch_impl/baselines/kfac_equations.py"
@@ -301,8 +305,8 @@ MUTANTS = {
         Mutant(R_F, "    G_hat = grad_W.reshape(d_out, -1)\n", "    G_hat = grad_W.reshape(d_out, -1) * 1.001\n"),
     ],
     "KT14": [
-        Mutant("torch_impl/mkor/hybrid.py", "        self._state = {}\n        self._switched = True",
-               "        self._switched = True"),
+        Mutant(T_P, "        self._state = {}\n        self._hybrid.mark_switched(self._steps)",
+               "        self._hybrid.mark_switched(self._steps)"),
         Mutant(R_H, "        if self.switch_step is not None and t >= self.switch_step:",
                "        if self.switch_step is not None and t > self.switch_step:"),
     ],
@@ -319,25 +323,25 @@ MUTANTS = {
     "PORT-PAIRING": [
         # Shared-call pairing: the old rule (statistics dropped whenever .grad is None) moved
         # to commit time drops every earlier call of a module used several times per forward.
-        Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
+        Mutant(T_ST, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
                "        if layer.module.weight.grad is None:\n            # the gradient"),
-        Mutant(T_C, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
+        Mutant(T_ST, "        if st.settled and layer.module.weight.grad is None:\n            # the gradient",
                "        if False:\n            # the gradient"),
-        Mutant(T_C, "        if st.settled and self._by_name[name].module.weight.grad is None:",
+        Mutant(T_ST, "        if st.settled and self._by_name[name].module.weight.grad is None:",
                "        if False:"),
         Mutant(T_V, "    return torch.where(mask.unsqueeze(-1), rows, 0).sum(dim=lead), mask.sum()",
                "    return rows.sum(dim=lead), mask.sum()"),
-        Mutant(T_C, "                    self._commit(layer, a_stat, mask, grad_rows(grad), sketch)",
-               "                    self._commit(layer, a_stat, None, grad_rows(grad), sketch)",
+        Mutant(T_C, "                    self.commit(layer, a_stat, mask, grad_rows(grad), sketch)",
+               "                    self.commit(layer, a_stat, None, grad_rows(grad), sketch)",
                equivalent="a masked row's output gradient is exactly 0 when the loss ignores it"),
     ],
     "PORT-CHECKPOINT": [
         # Recompute mask: a reentrant recompute reads the (finished) call's context, no mask.
-        Mutant(T_C, "            return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)",
+        Mutant(T_CALLS, "            return self._regions.get(torch._C._current_autograd_node(), _UNKNOWN)",
                "            return self._call"),
-        Mutant(T_C, "            self._call.regions = True  # a grad-free", "            self._call.regions = False  # a grad-free"),
-        Mutant(T_C, "                ctx.nested = True", "                ctx.nested = False"),
-        Mutant(T_C, "        if self._explicit is not None:\n            tag_explicit(",
+        Mutant(T_CALLS, "            self._call.regions = True  # a grad-free", "            self._call.regions = False  # a grad-free"),
+        Mutant(T_CALLS, "                ctx.nested = True", "                ctx.nested = False"),
+        Mutant(T_CALLS, "        if self._explicit is not None:\n            tag_explicit(",
                "        if False:\n            tag_explicit("),
     ],
     "PORT-COMPILE": [
@@ -368,8 +372,8 @@ MUTANTS = {
         Mutant(T_W, _REFUSALS, "    __copy__ = _refuse_copy"),
         Mutant(T_HO, "        return InertHook()", "        return self"),
         Mutant(T_HO, "    def __reduce__(self):", "    def _reduce_unused(self):"),
-        Mutant(T_C, "            hooks.append((module, \"backward\", BoundHook(self._module_backward, layer)))",
-               "            hooks.append((module, \"backward\", lambda *a: self._module_backward(layer, *a)))"),
+        Mutant(T_C, "            hooks.append((module, \"backward\", BoundHook(self.module_backward, layer)))",
+               "            hooks.append((module, \"backward\", lambda *a: self.module_backward(layer, *a)))"),
         Mutant("torch_impl/mkor/hybrid.py", "class _LossTap(CopyInertHook):", "class _LossTap:"),
     ],
     "PORT-MASKS": [
@@ -395,7 +399,7 @@ MUTANTS = {
                "    entries[batch_dim] = ((\"t\", src, 0, 0, 1, size[0]),)",
                tests=("theory_tests/mkor/test_capture_masks.py::test_fsmt_layers_are_sequence_first_and_its_head_batch_first",)),
         # torch's recurrent layers' documented layout not applied (GRU's loop loses it).
-        Mutant(T_C, "                ctx.tracker.set_tag(out, tuple(tag[:-1]) + (None,))",
+        Mutant(T_CALLS, "                ctx.tracker.set_tag(out, tuple(tag[:-1]) + (None,))",
                "                pass",
                tests=("theory_tests/mkor/test_capture_masks.py::test_recurrent_layers_keep_their_rows_layout",)),
         # embedding: the looked-up rows lose the indices' positions.
@@ -421,7 +425,7 @@ MUTANTS = {
         Mutant(T_SC, "            if verdict.get(\"padding\") == \"fail\" and ratio > 1:",
                "            if False:"),
         # The report's columns sized for short names: long module names shift them.
-        Mutant("torch_impl/mkor/report.py",
+        Mutant("torch_impl/kronecker/report.py",
                "        width = max([len(\"module\"), *(len(name or \"<model>\") for name in self)])",
                "        width = 40"),
     ],
@@ -440,8 +444,8 @@ MUTANTS = {
     ],
     "PORT-ROWS": [
         # Row counts across ranks: the mean of the ranks' means instead of the union's mean.
-        Mutant(T_DIST, "                a_bar = a_sum / rows.clamp(min=1)\n", "                a_bar = a_sum / world\n"),
-        Mutant(T_DIST, "        divide = world * world if self.average == \"double\" else world",
+        Mutant(T_VX, "                a_bar = a_sum / rows.clamp(min=1)\n", "                a_bar = a_sum / world\n"),
+        Mutant(T_VX, "        divide = world * world if self.average == \"double\" else world",
                "        divide = world * world if self.average == \"double\" else 1"),
         Mutant(T_K, "                A = A_sum / _per_matrix(rows.clamp(min=1))", "                A = A_sum / world"),
         Mutant(T_K, "                G = S_sum * _per_matrix(samples) / world / world / scale / scale",
@@ -492,8 +496,8 @@ MUTANTS = {
                "            if not _placement_ok(p):"),
         # owner placement: every layer to rank 0; the wrong rows sent back; every rank keeping
         # every factor
-        Mutant(T_FSDP, "        rank = min(range(world), key=lambda r: (load[r], r))",
-               "        rank = min(range(world), key=lambda r: (r, load[r]))"),
+        Mutant(T_SHARD, "        rank = min(range(world_size), key=lambda r: (load[r], r))",
+               "        rank = min(range(world_size), key=lambda r: (r, load[r]))"),
         Mutant(T_FSDP, "                    out[r][:n] = full[r * chunk:r * chunk + n]",
                "                    out[r][:n] = full[:n]"),
         Mutant(T_FSDP, "    return dist.get_rank(group) == rank", "    return True"),
@@ -518,13 +522,13 @@ MUTANTS = {
                "        if False:\n            return {}"),
         # MKOR-H switched: the freed factors leave no layout, and a fresh optimizer's DCP
         # template asks for entries the checkpoint lacks
-        Mutant(T_P, "        layers = (self._released_state() if self._switched else",
-               "        layers = ({} if self._switched else"),
+        Mutant(T_P, "        layers = (self._released_state() if self.switched else",
+               "        layers = ({} if self.switched else"),
         # MKOR-H's buffered losses kept per rank (a checkpoint would hold one rank's), or its
         # rule's state (slow checks, recent means) not restored
         Mutant(T_H, "        self.buffer.append(loss if self.mean is None else self.mean(loss))",
                "        self.buffer.append(loss)"),
-        Mutant(T_P, "        if self._rule is not None and state.get(\"rule\") is not None:",
+        Mutant(T_H, "        if self.rule is not None and state.get(\"rule\") is not None:",
                "        if False:"),
         # one rank's state dict of owner-placed factors loaded without the pointer to DCP
         Mutant(T_FSDP, "    if not saved:\n        raise ValueError(f\"{name}: the state_dict holds no state",

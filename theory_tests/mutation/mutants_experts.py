@@ -8,12 +8,12 @@ from .mutant import Mutant
 __all__ = ["EXPERTS_MUTANTS"]
 
 T_F, T_L = "torch_impl/mkor/factors.py", "torch_impl/mkor/layer_state.py"
-T_V, T_E = "torch_impl/mkor/vectors.py", "torch_impl/mkor/experts.py"
+T_V, T_E = "torch_impl/mkor/vectors.py", "torch_impl/kronecker/experts/transformers.py"
 T_P = "torch_impl/mkor/preconditioner.py"
-T_DIST, T_SC = "torch_impl/mkor/distributed.py", "torch_impl/mkor/self_check.py"
+T_DIST, T_SC = "torch_impl/kronecker/exchange.py", "torch_impl/kronecker/capture/self_check.py"
 T_K, T_KE = "torch_impl/baselines/kfac.py", "torch_impl/baselines/kfac_equations.py"
-T_RP = "torch_impl/mkor/row_provenance.py"
-T_EC = "torch_impl/mkor/expert_capture.py"
+T_RP = "torch_impl/kronecker/capture/row_provenance.py"
+T_EC = "torch_impl/kronecker/capture/experts.py"
 R_E = "reference/mkor/experts.py"
 
 EXPERTS_MUTANTS = {
@@ -55,7 +55,8 @@ EXPERTS_MUTANTS = {
         Mutant(T_EC, "            mask = None if found.mask is None else found.mask[token]",
                "            mask = None if found.mask is None else found.mask.repeat(token.numel() // found.mask.numel())"),
         # the per-expert counts lost on the wire: every expert divided by the stack's total
-        Mutant(T_DIST, "                rows = sums[2]\n", "                rows = sums[2].sum()\n"),
+        Mutant("torch_impl/mkor/vector_exchange.py", "                rows = sums[2]\n",
+               "                rows = sums[2].sum()\n"),
         # the row tracker's mask cache keyed without the rows' shape: flattened rows (a MoE
         # block's input, Qwen2-MoE's shared expert) get the (B, T) mask of earlier rows
         Mutant(T_RP, "    key = (src, tuple(flat), tuple(lead))", "    key = (src, tuple(flat))"),
@@ -86,7 +87,7 @@ EXPERTS_MUTANTS = {
         Mutant(T_E, "        if module.has_bias and (b is None or tuple(b.shape) != (E, d_out)):",
                "        if False:"),
         # the router left with the generic reason
-        Mutant("torch_impl/mkor/discovery.py", "        if name in routers:\n",
+        Mutant("torch_impl/kronecker/discovery.py", "        if name in routers:\n",
                "        if False:\n"),
     ],
 }

@@ -1,5 +1,5 @@
 """Mutants of torchtitan's ``GroupedExperts`` as three expert stacks
-(``torch_impl/mkor/titan_experts.py``), keyed by the ``paper_notes/claims.md`` row whose tests
+(``torch_impl/kronecker/experts/torchtitan.py``), keyed by the ``paper_notes/claims.md`` row whose tests
 must kill them (``mutant.Mutant``'s format). Each breaks one line: a row of the wrong branch or
 expert, the silu derivative dropped, the bf16 products dropped, the structure check loosened,
 expert parallelism let through."""
@@ -7,8 +7,8 @@ from .mutant import Mutant
 
 __all__ = ["GROUPED_EXPERTS_MUTANTS"]
 
-T_TE = "torch_impl/mkor/titan_experts.py"
-T_EC = "torch_impl/mkor/expert_capture.py"
+T_TE = "torch_impl/kronecker/experts/torchtitan.py"
+T_EC = "torch_impl/kronecker/capture/experts.py"
 
 GROUPED_EXPERTS_MUTANTS = {
     "MOE-TITAN": [

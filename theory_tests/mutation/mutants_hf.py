@@ -1,13 +1,13 @@
 """Mutants of the Hugging Face Trainer factory (``torch_impl/integrations/hf_trainer.py``)
-and of following accelerate's FSDP2 parameter swap (``torch_impl/mkor/fsdp.py``
+and of following accelerate's FSDP2 parameter swap (``torch_impl/kronecker/placement.py``
 ``ParameterBinding``); keyed by ``paper_notes/claims.md`` rows."""
 from .mutant import Mutant
 
 __all__ = ["HF_MUTANTS"]
 
-T_HF, T_FSDP = "torch_impl/integrations/hf_trainer.py", "torch_impl/mkor/fsdp.py"
+T_HF, T_FSDP = "torch_impl/integrations/hf_trainer.py", "torch_impl/kronecker/placement.py"
 T_P, T_K = "torch_impl/mkor/preconditioner.py", "torch_impl/baselines/kfac.py"
-T_C = "torch_impl/mkor/capture.py"
+T_C = "torch_impl/kronecker/capture/capture.py"
 
 HF_MUTANTS = {
     "PORT-HF-TRAINER": [
@@ -30,10 +30,10 @@ HF_MUTANTS = {
     ],
     "PORT-ACCELERATE-FSDP2": [
         # the swap check inverted: the replaced parameters are never followed (MKOR)
-        Mutant(T_P, "        if self._capture.binding.moved():",
-               "        if not self._capture.binding.moved():"),
-        Mutant(T_K, "        if self._capture.binding.moved():",
-               "        if not self._capture.binding.moved():"),
+        Mutant(T_P, "        if self._binding.moved():",
+               "        if not self._binding.moved():"),
+        Mutant(T_K, "        if self._binding.moved():",
+               "        if not self._binding.moved():"),
         # identity test inverted inside moved()
         Mutant(T_FSDP, "any(r() is not p for r, p in zip(refs, now))",
                "any(r() is p and False for r, p in zip(refs, now))"),

@@ -10,7 +10,7 @@ T_VAL, T_SCA = "torch_impl/common/validation.py", "torch_impl/common/scalars.py"
 T_F, T_MF = "torch_impl/mars/mars_equations.py", "torch_impl/mars/mars_m_equations.py"
 T_LAMB, T_SD = "torch_impl/baselines/lamb.py", "torch_impl/mars/state_dtype.py"
 T_MARS, T_MM = "torch_impl/mars/mars.py", "torch_impl/mars/mars_m.py"
-T_EX, T_W = "torch_impl/mars/exact_mode.py", "torch_impl/mkor/wrapper.py"
+T_EX, T_W = "torch_impl/mars/exact_mode.py", "torch_impl/kronecker/optimizer.py"
 
 ISSUE30_MUTANTS = {
     "PORT-FUNCTIONAL": [

@@ -316,17 +316,17 @@ MARS_MUTANTS = {
         # LAMB's step no longer torch's
         Mutant("torch_impl/baselines/lamb.py", "    def step(self, closure=None):", "    def step(self, closure):"),
         # MKOR's / K-FAC's state not carried where DCP keeps it, or not taken back from there
-        Mutant("torch_impl/mkor/checkpoints.py", "            packed[i] = dict(packed.get(i, {}), **entry)",
+        Mutant("torch_impl/kronecker/optimizer.py", "            packed[i] = dict(packed.get(i, {}), **entry)",
                "            packed[i] = dict(packed.get(i, {}))"),
-        Mutant("torch_impl/mkor/checkpoints.py", "            own = placed if placed is not None else own", "            own = own"),
+        Mutant("torch_impl/kronecker/optimizer.py", "            own = placed if placed is not None else own", "            own = own"),
         # each layer's state loaded into the layer after it (the saved keys matched by order)
-        Mutant("torch_impl/mkor/state_layout.py", "    return {id(p): k for p, k in zip(live, saved)}",
+        Mutant("torch_impl/kronecker/state_layout.py", "    return {id(p): k for p, k in zip(live, saved)}",
                "    return {id(p): k for p, k in zip(live, saved[1:] + saved[:1])}"),
         # the run's counters not laid out
-        Mutant("torch_impl/mkor/state_layout.py", "    if first is not None:\n        entries.setdefault(first, {})[run_key(key)]",
+        Mutant("torch_impl/kronecker/state_layout.py", "    if first is not None:\n        entries.setdefault(first, {})[run_key(key)]",
                "    if first is None:\n        entries.setdefault(first, {})[run_key(key)]"),
         # a keyword of the wrapper's own beside torch's step signature
-        Mutant("torch_impl/mkor/wrapper.py", "    def step(self, closure=None):", "    def step(self, closure=None, *, loss=None):"),
+        Mutant("torch_impl/kronecker/optimizer.py", "    def step(self, closure=None):", "    def step(self, closure=None, *, loss=None):"),
     ],
     "PORT-FSDP2-ORTHOGONALISE": [
         # the owner map differs between ranks
@@ -357,8 +357,8 @@ MARS_MUTANTS = {
                "            switch_window=switch_window, switch_check_every=switch_check_every,",
                "            switch_window=switch_check_every, switch_check_every=switch_window,"),
         # the factor update handed the wrong option
-        Mutant("torch_impl/mkor/layer_state.py", "            threshold=o.threshold, norm=o.stabilizer_norm,",
-               "            threshold=2.0, norm=o.stabilizer_norm,"),
+        Mutant("torch_impl/mkor/layer_state.py", "            threshold=rule.threshold, norm=rule.stabilizer_norm,",
+               "            threshold=2.0, norm=rule.stabilizer_norm,"),
         # a check in another style (or none)
         Mutant("torch_impl/mkor/config.py", '        check_number("threshold", self.threshold, 0.0, low_open=True, finite=True)',
                '        check_number("threshold", self.threshold, 0.0, low_open=True)'),

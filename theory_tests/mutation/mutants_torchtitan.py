@@ -1,13 +1,13 @@
 """Mutants of the torchtitan container (``torch_impl/integrations/torchtitan.py``) and of
-MKOR's / K-FAC's state laid out on the parameters (``torch_impl/mkor/state_layout.py``, the
-checkpoint methods in ``torch_impl/mkor/checkpoints.py``, ``init_state`` of both); keyed by the
+MKOR's / K-FAC's state laid out on the parameters (``torch_impl/kronecker/state_layout.py``, the
+checkpoint methods in ``torch_impl/kronecker/optimizer.py``, ``init_state`` of both); keyed by the
 ``paper_notes/claims.md`` rows TITAN-CONTAINER and PRECOND-STATE-LAYOUT."""
 from .mutant import Mutant
 
 __all__ = ["TORCHTITAN_MUTANTS"]
 
 T_TT = "torch_impl/integrations/torchtitan.py"
-T_LAYOUT, T_WRAP = "torch_impl/mkor/state_layout.py", "torch_impl/mkor/checkpoints.py"
+T_LAYOUT, T_WRAP = "torch_impl/kronecker/state_layout.py", "torch_impl/kronecker/optimizer.py"
 T_K = "torch_impl/baselines/kfac.py"
 
 TORCHTITAN_MUTANTS = {

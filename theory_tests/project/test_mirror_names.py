@@ -20,16 +20,12 @@ ORACLE_ONLY_MODULES = {
     "baselines.first_order",
     # the test problems the oracles and figures run on
     "common.problems",
+    # the fused experts' per-expert equations: the port runs its 2-D functions (vectors,
+    # factors, layer_state, kfac) batched over the expert axis, and reads transformers' and
+    # torchtitan's experts modules in the engine (torch_impl/kronecker/experts/)
+    "mkor.experts",
 }
 ORACLE_ONLY = {
-    # the gates the port takes from the module itself (its _apply_gate, act_fn, norm), and the
-    # per-expert updates the port runs as its 2-D functions batched over the expert axis
-    # (vectors, factors, layer_state, kfac)
-    "mkor.experts": {"clamped_swiglu_gate", "elementwise_activation", "expert_factor_updates",
-                     "expert_kfac_factors", "expert_precondition", "expert_rank1_vectors",
-                     "expert_weight_grads", "merge_gate_up", "present_stack",
-                     "projection_rows", "rms_norm", "routed_pairs", "sigmoid", "silu",
-                     "silu_grad", "split_gate_up", "swiglu_gate"},
     # fused for memory on the torch side: adamw_step_ / lion_step_ compute direction and decay
     # in place (one temporary)
     "mars.mars_equations": {"adamw_direction", "decoupled_step", "lion_direction"},
@@ -49,9 +45,6 @@ ORACLE_ONLY = {
     "common.matrix_functions": {"quintic", "optimal_quintic", "polar_express_coefficients"},
 }
 TORCH_ONLY = {
-    # reading transformers' experts modules (detection, layout, inputs): structure, not math
-    "mkor.experts": {"bind_expert_inputs", "expert_projections", "is_fused_experts",
-                     "layout_problem"},
     # per-route compositions (the oracle writes them inline in its class), the resolver, bias
     # corrections for lists, and the global-norm helper
     "mars.mars_equations": {"adamw_rule", "lion_rule", "resolve_hyperparameters",

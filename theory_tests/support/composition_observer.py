@@ -1,5 +1,5 @@
 """The composition matrix's independent statistics: :class:`Observer` computes MKOR's and
-K-FAC's statistics without ``torch_impl.mkor.capture`` (its own forward hooks and
+K-FAC's statistics without ``torch_impl.kronecker.capture.capture`` (its own forward hooks and
 ``retain_grad``), with a rounding bound derived from the rows it saw; :func:`oracle_errors`
 compares a run's statistics with it.
 """

@@ -35,7 +35,7 @@ statistics are float32 under autocast.
 Distributed (the baseline MKOR's O(d) claim is measured against): on a factor-update step
 every rank all-reduces the *sums* behind the batch factors of every layer, sum_i a_i a_i^T
 and sum_i g_i g_i^T, with its row count (and, for a Conv2d, its sample count) in one flat
-buffer (:class:`~.distributed.Packet`), and every rank then forms one process's factors
+buffer (:class:`~torch_impl.kronecker.exchange.Packet`), and every rank then forms one process's factors
 on the union of the batches, A = sum_r sum_i a a^T / sum_r n_r and
 G = (sum_r N_r) sum_r sum_i g g^T / P^2 (each rank's g_i is the gradient of its own mean
 loss, and DDP averages over the P ranks), before the same EMA and decomposition. A layer
@@ -44,10 +44,10 @@ with no rows on some rank (an MoE expert routed no tokens there) adds zeros, nev
 layers) x itemsize: O(d^2) per layer. (KAISA can also send inverses or shard the work;
 by default this baseline replicates everything, like MKOR.)
 
-Under FSDP2 (:mod:`~torch_impl.mkor.fsdp`) the sharded gradient is gathered whole and
+Under FSDP2 (:mod:`~torch_impl.kronecker.placement`) the sharded gradient is gathered whole and
 preconditioned, as for MKOR. ``factor_placement="replicated"``: every rank holds every
 layer's A, G and their decompositions (the all-reduce above). ``"owner"``: each sharded
-layer's factors live on one rank (:func:`~torch_impl.mkor.fsdp.assign_owners`, balanced on
+layer's factors live on one rank (:func:`~torch_impl.kronecker.placement.assign_owners`, balanced on
 d_out^2 + d_in'^2); its sums are *reduced* to that rank alone (one ``reduce`` per owning
 rank, of the packet of the layers it owns: the same bytes leave every rank, but only the
 owner receives the O(d^2) result, where an all-reduce also sends it back to everyone),
@@ -71,14 +71,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..mkor.capture import Capture, weak_schedule
-from ..mkor.discovery import (discover, unwrap_model, warn_identity_sides,
-                        warn_nothing_preconditioned)
-from ..mkor.distributed import Packet, world_size
-from ..mkor.fsdp import (FullGradients, OwnerGradients, check_supported_sharding, kept_here,
-                         owner_map, owns)
-from ..mkor.wrapper import PreconditionedOptimizer
 from ..common.validation import check_choice, check_int, check_number
+from ..kronecker.capture import Capture, weak_schedule
+from ..kronecker.discovery import (discover, unwrap_model, warn_identity_sides,
+                                   warn_nothing_preconditioned)
+from ..kronecker.exchange import Packet, world_size
+from ..kronecker.optimizer import PreconditionedOptimizer
+from ..kronecker.placement import (FullGradients, OwnerGradients, check_supported_sharding,
+                                   kept_here, owner_map, owns)
 from .kfac_equations import (decompose, decompose_stack, grad_stat, input_stat, per_sample,
                              preconditioned_gradient)
 
@@ -510,8 +510,8 @@ class KFAC(PreconditionedOptimizer):
         """Factor / decomposition updates when due, then ``.grad`` <- nu * V."""
         if self._detached:
             return
-        if self._capture.binding.moved():  # parameters replaced since construction (mkor.fsdp)
-            self._owners = self._capture.binding.follow(self, self.factor_placement, "KFAC")
+        if self._binding.moved():  # parameters replaced since construction (placement)
+            self._owners = self._binding.follow(self, self.factor_placement, "KFAC")
             self._routes = self._plan_routes()
         if self.factor_update_due():
             self._finish_capture()
@@ -526,7 +526,7 @@ class KFAC(PreconditionedOptimizer):
             if w.grad is None or (owner is None and "decomposed" not in s) or \
                     layer.name in self._capture.check.released:
                 continue
-            # FSDP2: the whole gradients, on every rank or on the owner (mkor.fsdp)
+            # FSDP2: the whole gradients, on every rank or on the owner (kronecker.placement)
             grads = FullGradients(layer.module) if owner is None else OwnerGradients(
                 layer.module, *owner)
             G_hat = V = None

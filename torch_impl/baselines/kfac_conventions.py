@@ -64,7 +64,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..mkor.discovery import DEFAULT_MAX_FACTOR_DIM, discover, unwrap_model
+from ..kronecker.discovery import DEFAULT_MAX_FACTOR_DIM, discover, unwrap_model
 from ..common.validation import check_choice, check_number
 
 __all__ = ["KFACPytorchConversion", "from_kfac_pytorch", "kfac_pytorch_scales"]

@@ -11,7 +11,7 @@ expert's computed from its own rows as for an ``nn.Linear`` fed them (the oracle
 (but for the rare per-matrix retry of a failed decomposition)."""
 import torch
 
-from ..mkor.layers import LayerType
+from ..kronecker.layers import LayerType
 
 __all__ = ["input_stat", "grad_stat", "per_sample", "decompose", "decompose_stack",
            "identity_decomposition", "preconditioned_gradient"]

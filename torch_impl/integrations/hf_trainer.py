@@ -35,7 +35,7 @@ validates the keywords without a model, e.g. before building the Trainer.
 
 Under accelerate's FSDP2 the Trainer builds the optimizer *before* ``prepare`` shards the
 model, and accelerate switches the backbone's parameters for the sharded ones; MKOR and
-K-FAC follow that switch at their first step (``torch_impl/mkor/fsdp.py``).
+K-FAC follow that switch at their first step (``torch_impl/kronecker/placement.py``).
 """
 import inspect
 
@@ -43,7 +43,7 @@ import torch
 
 from ..baselines import KFAC
 from ..mkor import MKOR
-from ..mkor.wrapper import PreconditionedOptimizer
+from ..kronecker.optimizer import PreconditionedOptimizer
 
 __all__ = ["PreconditionerFactory", "MKORFactory", "KFACFactory"]
 

@@ -41,7 +41,7 @@ mean loss, averaged): the container passes ``grad_scale = factor / world`` read 
 model's FSDP groups (:func:`statistics_scale`) unless ``grad_scale`` or ``grad_scaler`` is given.
 
 **Checkpoints.** MKOR's and K-FAC's own state lies on the parameters
-(:mod:`torch_impl.mkor.state_layout`), so torchtitan's ``get_flat_optim_state_dict`` /
+(:mod:`torch_impl.kronecker.state_layout`), so torchtitan's ``get_flat_optim_state_dict`` /
 ``load_flat_optim_state_dict`` carry it as ``state.{weight fqn}.mkor.{name}`` and
 ``state.{first fqn}.mkor_run.{name}``.
 """

@@ -1,6 +1,8 @@
-"""MKOR options: the paper / released columns (spec MKOR.md section 4) and validation.
+"""MKOR options: the paper / released columns (spec MKOR.md section 4), validation, and the
+small records each part of MKOR reads.
 
-Every option left as None takes the value of ``variant``'s column:
+Every option left as None takes the value of ``variant``'s column (:data:`COLUMNS`, the one
+table of the two columns; :func:`~.factors.factor_update` reads it too):
 
 ==================== ============== ==================
 option               "paper"        "released"
@@ -16,6 +18,11 @@ average              once           double
 
 ``stabilizer_norm`` is "max_entry" (threshold 2) in both columns; the O(d^3)
 spectral norm of the oracle is deliberately not offered here.
+
+:class:`MKOROptions` validates every keyword of :class:`~.preconditioner.MKOR` under its own
+name; each consumer then receives a frozen record of just what it reads, the names unchanged:
+:class:`FactorRule` (the factor update, K8-K12), :class:`PreconditionRule` (K13-K14),
+:class:`ExchangeOptions` (the vector all-reduce) and :class:`SwitchOptions` (MKOR-H, K18).
 """
 from dataclasses import dataclass, fields
 
@@ -23,7 +30,8 @@ import torch
 
 from ..common.validation import check_choice, check_int, check_number
 
-__all__ = ["MKOROptions", "COLUMNS", "FACTOR_DTYPES"]
+__all__ = ["MKOROptions", "FactorRule", "PreconditionRule", "ExchangeOptions",
+           "SwitchOptions", "COLUMNS", "FACTOR_DTYPES"]
 
 COLUMNS = {
     "paper": dict(stabilizer_timing="before_sm", stabilizer_reset="blend",
@@ -60,11 +68,70 @@ def _dtype(name, value):
     return value
 
 
-@dataclass
+def _compute_dtype(factor_dtype):
+    """Arithmetic dtype: float64 for float64 factors, else float32 (low-precision factors are
+    stored in 16 bits but updated in float32)."""
+    return torch.float64 if factor_dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class FactorRule:
+    """What one factor update reads (K8-K12; :func:`~.layer_state.update_layer_factors`)."""
+
+    variant: str
+    stat_decay: float
+    zeta: float
+    threshold: float
+    stabilizer_norm: str
+    stabilizer_timing: str
+    stabilizer_reset: str
+    stabilizer_coupling: str
+    first_update: str
+    factor_dtype: torch.dtype
+
+    @property
+    def compute_dtype(self):
+        return _compute_dtype(self.factor_dtype)
+
+
+@dataclass(frozen=True)
+class PreconditionRule:
+    """What preconditioning a layer's gradient reads (K13-K14;
+    :func:`~.layer_state.precondition_layer`)."""
+
+    rescale: str
+    precondition_dtype: object
+    compute_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ExchangeOptions:
+    """What the vector all-reduce reads (:class:`~.vector_exchange.VectorExchange`)."""
+
+    average: str
+    comm_dtype: object
+    compute_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SwitchOptions:
+    """What MKOR-H reads (K18; :class:`~.hybrid.HybridSwitch`)."""
+
+    hybrid_switch: str
+    switch_window: int
+    switch_check_every: int
+    switch_threshold: float
+    switch_patience: int
+    switch_step: int
+
+
+@dataclass(frozen=True)
 class MKOROptions:
     """All MKOR hyperparameters, validated, by :class:`~torch_impl.mkor.MKOR`'s names; its
-    signature holds their defaults (written nowhere else) and builds this record.  Options
-    left None take the ``variant``'s column (the table above)."""
+    signature holds their defaults (written nowhere else) and builds this record. Options
+    left None take the ``variant``'s column (the table above). The consumers' records
+    (:attr:`factor_rule`, :attr:`precondition_rule`, :attr:`exchange`, :attr:`switch`) are
+    views of it under the same names."""
 
     inv_freq: int
     stat_decay: float
@@ -97,17 +164,20 @@ class MKOROptions:
     factor_placement: str
 
     def __post_init__(self):
+        def set_(name, value):  # a frozen record is written here, while it is being made
+            object.__setattr__(self, name, value)
+
         check_choice("variant", self.variant, _CHOICES["variant"])
         for key, value in COLUMNS[self.variant].items():
             if getattr(self, key) is None:
-                setattr(self, key, value)
+                set_(key, value)
         for key, allowed in _CHOICES.items():
             check_choice(key, getattr(self, key), allowed)
-        self.factor_dtype = _dtype("factor_dtype", self.factor_dtype)
+        set_("factor_dtype", _dtype("factor_dtype", self.factor_dtype))
         if self.comm_dtype is not None:
-            self.comm_dtype = _dtype("comm_dtype", self.comm_dtype)
+            set_("comm_dtype", _dtype("comm_dtype", self.comm_dtype))
         if self.precondition_dtype is not None:
-            self.precondition_dtype = _dtype("precondition_dtype", self.precondition_dtype)
+            set_("precondition_dtype", _dtype("precondition_dtype", self.precondition_dtype))
         check_int("inv_freq", self.inv_freq, low=1)
         check_number("stat_decay", self.stat_decay, 0.0, 1.0, high_open=True, low_open=True)
         check_number("zeta", self.zeta, 0.0, 1.0)
@@ -117,9 +187,8 @@ class MKOROptions:
             check_int("grad_accum_steps", self.grad_accum_steps, low=1)
         if not isinstance(self.grad_scale, torch.Tensor):
             check_number("grad_scale", self.grad_scale, 0.0, low_open=True, finite=True)
-        if isinstance(self.skip_modules, str):
-            self.skip_modules = (self.skip_modules,)
-        self.skip_modules = tuple(self.skip_modules)
+        skip = (self.skip_modules,) if isinstance(self.skip_modules, str) else self.skip_modules
+        set_("skip_modules", tuple(skip))
         if not all(isinstance(p, str) for p in self.skip_modules):
             raise ValueError(f"skip_modules: expected name patterns (strings), "
                              f"got {self.skip_modules!r}")
@@ -139,7 +208,23 @@ class MKOROptions:
     def compute_dtype(self):
         """Arithmetic dtype: float64 for float64 factors, else float32 (low-precision
         factors are stored in 16 bits but updated in float32)."""
-        return torch.float64 if self.factor_dtype == torch.float64 else torch.float32
+        return _compute_dtype(self.factor_dtype)
+
+    @property
+    def factor_rule(self):
+        return FactorRule(**{f.name: getattr(self, f.name) for f in fields(FactorRule)})
+
+    @property
+    def precondition_rule(self):
+        return PreconditionRule(self.rescale, self.precondition_dtype, self.compute_dtype)
+
+    @property
+    def exchange(self):
+        return ExchangeOptions(self.average, self.comm_dtype, self.compute_dtype)
+
+    @property
+    def switch(self):
+        return SwitchOptions(**{f.name: getattr(self, f.name) for f in fields(SwitchOptions)})
 
     def as_dict(self):
         return {f.name: getattr(self, f.name) for f in fields(self)}

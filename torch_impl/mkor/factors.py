@@ -14,25 +14,19 @@ here: ``MKOR``'s signature is where each default is written.
 """
 import torch
 
+from .config import COLUMNS
+
 __all__ = [
     "sherman_morrison", "ema_inverse_update", "released_inverse_update",
     "rank1_inverse_update", "max_entry_norm", "needs_stabilising", "stabilise",
     "reset_factor", "symmetrise", "factor_update", "precondition",
-    "rescale", "RELEASED_BLEND", "RELEASED_THRESHOLD", "VARIANT_COLUMNS",
+    "rescale", "RELEASED_BLEND", "RELEASED_THRESHOLD",
 ]
 
 # Hard-coded in the released code (K10, K12): J' = 0.95 J + (1 - 0.95) I, threshold 2 (the
 # paper gives no epsilon: MKOR's default ``threshold`` is this one in both variants).
 RELEASED_BLEND = 0.95
 RELEASED_THRESHOLD = 2.0
-
-# Section 4's two columns, per factor.
-VARIANT_COLUMNS = {
-    "paper": {"stabilizer_timing": "before_sm", "stabilizer_reset": "blend",
-              "first_update": "sm"},
-    "released": {"stabilizer_timing": "deferred", "stabilizer_reset": "identity",
-                 "first_update": "identity"},
-}
 
 
 def _eye_like(J):
@@ -183,11 +177,12 @@ def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry
     ``-a a^T`` with a = \sqrt{w} u, which keeps J_t exactly symmetric (w >= 0 for SPD J).
 
     ``first`` and ``reset_flag`` may be Python bools or 0-d bool tensors. Options left
-    None take the ``variant``'s column (spec section 4). Returns ``(J_t, f)`` with f a
-    0-d bool tensor; J_t is written into ``out`` when given (a buffer shaped like J, not J).
+    None take the ``variant``'s column (spec section 4; :data:`~.config.COLUMNS`). Returns
+    ``(J_t, f)`` with f a 0-d bool tensor; J_t is written into ``out`` when given (a buffer
+    shaped like J, not J).
     Mirrors ``reference.mkor.factors.factor_update``.
     """
-    column = VARIANT_COLUMNS.get(variant)
+    column = COLUMNS.get(variant)
     if column is None:
         raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
     timing = stabilizer_timing or column["stabilizer_timing"]

@@ -14,8 +14,9 @@ r_t < threshold (a non-finite r_t, or \bar\ell_{t-W} = 0, counts as slow); the s
 fires at the check that completes ``patience`` consecutive slow checks, or at
 t = ``switch_step``, whichever comes first, and never un-fires.
 
-The second half of this module is MKOR-H's part of :class:`~.preconditioner.MKOR`:
-the feed that brings the rule each step's loss, and the one-way hand-over to the backbone.
+The second half of this module is MKOR-H's part of :class:`~.preconditioner.MKOR`, a
+component it holds (:class:`HybridSwitch`): the feed that brings the rule each step's loss,
+and the state of the one-way hand-over to the backbone.
 
 The rule is plain Python on floats: reading a loss tensor into a float is the
 caller's host synchronisation, never the preconditioner's.
@@ -25,11 +26,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from .distributed import world_size
-from .hook_objects import CopyInertHook
 from ..common.validation import check_int, check_number
+from ..kronecker.capture.hooks import CopyInertHook
+from ..kronecker.exchange import world_size
 
-__all__ = ["LossRateSwitch", "LossFeed", "HybridSwitching"]
+__all__ = ["LossRateSwitch", "LossFeed", "HybridSwitch"]
 
 
 class LossRateSwitch:
@@ -207,43 +208,53 @@ class _LossTap(CopyInertHook):
             self.feed.tap(output)
 
 
-class HybridSwitching:
-    """Mixin of MKOR: ``_init_hybrid`` builds the rule (``hybrid_switch="loss_rate"`` or
-    ``switch_step``) and, for the loss rule, taps the model output's loss."""
+class HybridSwitch:
+    """MKOR-H inside :class:`~.preconditioner.MKOR`, a component it holds: the rule
+    (``hybrid_switch="loss_rate"`` or ``switch_step``), the feed that brings the rule each
+    step's loss (for the loss rule, tapped from the model output too), and whether the one-way
+    hand-over has happened. MKOR does the hand-over itself (hooks removed, factors freed) when
+    :meth:`observe_loss`, :meth:`observe` or :meth:`step_due` says so, then calls
+    :meth:`mark_switched`.
 
-    def _init_hybrid(self, o, model):
-        self._switched = False
-        self._rule = None
+    Args:
+        options: a :class:`~.config.SwitchOptions`.
+        model: the unwrapped model, whose output's loss the loss rule taps.
+        process_group: the ranks whose mean loss the rule sees (None: the world).
+        device: ``callable() -> device`` where a loss is averaged over the ranks.
+    """
+
+    def __init__(self, options, model, process_group=None, device=None):
+        self.options = o = options
+        self.process_group = process_group
+        self._device = device
+        self.switched = False
+        self.rule = None
         if o.hybrid_switch == "loss_rate" or o.switch_step is not None:
-            self._rule = LossRateSwitch(
+            self.rule = LossRateSwitch(
                 window=o.switch_window, check_every=o.switch_check_every,
                 threshold=o.switch_threshold if o.hybrid_switch == "loss_rate" else None,
                 patience=o.switch_patience, switch_step=o.switch_step)
-        self._feed = None if self._rule is None else LossFeed(self._rule, self._mean_over_ranks)
+        self.feed = None if self.rule is None else LossFeed(self.rule, self._mean_over_ranks)
         self._fed_by_hand = False  # observe_loss() was called since the last step
         self._tap_handle = None
         if o.hybrid_switch == "loss_rate":
-            self._tap_handle = model.register_forward_hook(_LossTap(self._feed))
+            self._tap_handle = model.register_forward_hook(_LossTap(self.feed))
 
-    @property
-    def switched(self):
-        """Whether MKOR-H has handed over to the backbone (one-way)."""
-        return self._switched
+    def step_due(self, steps):
+        """Whether the deterministic ``switch_step`` rule fires at MKOR's step ``steps``."""
+        return self.rule is not None and self.rule.step_due(steps)
 
-    @property
-    def switch_rule(self):
-        return self._rule
+    def mark_switched(self, steps):
+        """The hand-over happened at step ``steps``: the tap goes, the rule records it."""
+        self.remove()
+        self.switched = True
+        if self.rule is not None:
+            self.rule.force(steps)
 
-    def _switch(self):
-        """One-way hand-over: hooks removed, factors freed, backbone state kept."""
-        self._exchange.drop()
-        self._capture.remove()
+    def remove(self):
+        """Detach the tap on the model's output."""
         if self._tap_handle is not None:
             self._tap_handle.remove()
-        self._state = {}
-        self._switched = True
-        if self._rule is not None:
-            self._rule.force(self._steps)
 
     def _mean_over_ranks(self, loss):
         """A loss (0-d tensor or float) as its mean over the ranks, a 0-d float64 tensor
@@ -251,37 +262,51 @@ class HybridSwitching:
         world = world_size(self.process_group)
         if world == 1:
             return loss
-        device = self._layers[0].module.weight.device if self._layers else "cpu"
-        total = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(()).clone()
+        total = torch.as_tensor(loss, dtype=torch.float64,
+                                device=self._device()).reshape(()).clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.process_group)
         return total / world
 
     def observe_loss(self, loss):
-        """Feed this step's loss to the MKOR-H rule (a float, or a tensor: buffered and read
-        once per ``switch_check_every`` steps, when the rule checks, so a tensor costs no
-        host sync at the other steps); call it before ``step()``. Distributed, the rule
-        sees the mean loss over the ranks, so every rank switches at the same step. Returns
-        whether MKOR has switched."""
-        if self._feed is not None and not self._switched:
+        """Feed a loss given by hand (:meth:`MKOR.observe_loss`); returns whether the rule
+        switches now."""
+        if self.feed is not None and not self.switched:
             self._fed_by_hand = True
-            if self._feed.push(loss) and self._feed.flush():
-                self._switch()
-        return self._switched
+            return self.feed.push(loss) and self.feed.flush()
+        return False
 
-    def _observe(self, loss):
-        """This step's loss: ``loss`` (argument or closure), else one given to
-        :meth:`observe_loss` since the last step, else the model output's."""
+    def observe(self, loss, steps, warn):
+        """Step ``steps``'s loss, before preconditioning: ``loss`` (argument or closure), else
+        one given to :meth:`observe_loss` since the last step, else the model output's;
+        ``warn`` is called with a message if the loss rule got none. Returns whether the rule
+        switches now."""
         fed_by_hand, self._fed_by_hand = self._fed_by_hand, False
-        if self._feed is None or self._switched or self.options.hybrid_switch != "loss_rate":
-            return
-        tapped = self._feed.take_tapped()
+        if self.feed is None or self.switched or self.options.hybrid_switch != "loss_rate":
+            return False
+        tapped = self.feed.take_tapped()
         if loss is None and fed_by_hand:
-            return
+            return False
         loss = tapped if loss is None else loss
         if loss is None:
-            self._warn_once("no loss", "MKOR: hybrid_switch='loss_rate' got no loss at step "
-                            f"{self._steps}: call observe_loss(loss) or pass a closure, or return a "
-                            "model output with a .loss; the switch cannot fire without losses")
-            return
-        if self._feed.push(loss) and self._feed.flush():
-            self._switch()
+            warn(f"MKOR: hybrid_switch='loss_rate' got no loss at step {steps}: call "
+                 "observe_loss(loss) or pass a closure, or return a model output with a .loss; "
+                 "the switch cannot fire without losses")
+            return False
+        return self.feed.push(loss) and self.feed.flush()
+
+    def drop(self):
+        """Forget the losses tapped from completed backwards (their gradients are zeroed)."""
+        if self.feed is not None:
+            self.feed.drop()
+
+    def state_dict(self):
+        return {"switched": self.switched,
+                "rule": None if self.rule is None else self.rule.state_dict(),
+                "losses": None if self.feed is None else self.feed.state_dict()}
+
+    def load_state_dict(self, state):
+        """The rule's and the feed's state (the switch itself is MKOR's to replay)."""
+        if self.rule is not None and state.get("rule") is not None:
+            self.rule.load_state_dict(state["rule"])
+        if self.feed is not None and state.get("losses") is not None:
+            self.feed.load_state_dict(state["losses"])

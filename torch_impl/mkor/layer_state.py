@@ -1,5 +1,6 @@
 """One preconditioned layer's state and its two operations (K2-K14), kept apart from the
-hooks and the schedule in :mod:`.preconditioner`.
+hooks and the schedule in :mod:`.preconditioner`; each operation reads its own record of the
+options (:class:`~.config.FactorRule`, :class:`~.config.PreconditionRule`).
 
 State per layer: the inverse factors ``L_inv`` (d_out x d_out) and ``R_inv`` (d_in' x d_in'),
 0-d counters ``updates_a``/``updates_g`` (accepted updates), ``non_finite`` (updates refused
@@ -15,7 +16,7 @@ import torch
 
 from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
                       rescale)
-from .fsdp import FullGradients, OwnerGradients
+from ..kronecker.placement import FullGradients, OwnerGradients
 
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
 
@@ -70,8 +71,9 @@ class Workspace:
         return tuple(out)
 
 
-def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
-    """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) with the options ``o`` (K8-K12);
+def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None):
+    """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) by the factor ``rule``
+    (a :class:`~.config.FactorRule`: K8-K12);
     a non-finite vector or result is refused and counted.  ``present``: None when the layer
     has rows, False when it has none (counted in ``no_rows``, nothing else happens), or a
     0-d bool tensor saying whether it has rows (no host sync). With a ``workspace`` the new
@@ -81,15 +83,15 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
         return
     if present is not None:
         s["no_rows"] = s["no_rows"] + (~present).long()
-    cd = o.compute_dtype
-    deferred = o.stabilizer_timing == "deferred"
-    coupled = o.stabilizer_coupling == "coupled"
+    cd = rule.compute_dtype
+    deferred = rule.stabilizer_timing == "deferred"
+    coupled = rule.stabilizer_coupling == "coupled"
     R = s["R_inv"].to(cd) if "R_inv" in s else None
     L = s["L_inv"].to(cd) if "L_inv" in s else None
     if deferred:
         flag_a, flag_g = s["reset_a"], s["reset_g"]
     elif coupled:  # both factors tested before either is touched
-        flag_a = flag_g = _any_needs_stabilising([R, L], o.threshold)
+        flag_a = flag_g = _any_needs_stabilising([R, L], rule.threshold)
     else:
         flag_a = flag_g = False
 
@@ -98,10 +100,10 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
             return None, None
         buf = None if workspace is None else workspace.views([J.shape], cd, J.device)[0]
         J_new, fired = factor_update(
-            J, v, variant=o.variant, stat_decay=o.stat_decay, zeta=o.zeta,
-            threshold=o.threshold, norm=o.stabilizer_norm, stabilizer_timing=o.stabilizer_timing,
-            stabilizer_reset=o.stabilizer_reset, first_update=o.first_update, first=first,
-            reset_flag=flag, out=buf)
+            J, v, variant=rule.variant, stat_decay=rule.stat_decay, zeta=rule.zeta,
+            threshold=rule.threshold, norm=rule.stabilizer_norm,
+            stabilizer_timing=rule.stabilizer_timing, stabilizer_reset=rule.stabilizer_reset,
+            first_update=rule.first_update, first=first, reset_flag=flag, out=buf)
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
         # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
         finite_v = torch.isfinite(v).all(dim=-1)  # per expert for a stack
@@ -116,7 +118,7 @@ def update_layer_factors(s, a_bar, g_bar, present, o, workspace=None):
         if buf is not None and s[key].dtype == cd:  # J is the stored factor: update in place
             torch.where(keep, J_new, J, out=s[key])
         else:
-            s[key] = torch.where(keep, J_new, J).to(o.factor_dtype)
+            s[key] = torch.where(keep, J_new, J).to(rule.factor_dtype)
         return ok, fired
 
     ok_a, fired_a = update("R_inv", R, a_bar, s["updates_a"] == 0, flag_a)
@@ -137,14 +139,16 @@ def _any_needs_stabilising(factors, threshold):
     return flags[0] | flags[1] if len(flags) == 2 else flags[0]
 
 
-def precondition_layer(layer, s, o, workspace=None, owner=None):
-    """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place.
+def precondition_layer(layer, s, rule, workspace=None, owner=None):
+    """.grad <- s Delta, Delta = L_inv [grad W | grad b] R_inv (K13, K14), in place, by the
+    ``rule`` (a :class:`~.config.PreconditionRule`: rescale mode and GEMM dtypes).
     ``workspace``: a :class:`Workspace` lending the two GEMM outputs (none allocated).
     The weight matrix is read and written through the layer type (a transposed view for
     transformers' Conv1D). A bias without a gradient this step (frozen after discovery,
     or unused) takes part in the product as 0 but not in the rescale, so the rescaled
     weight step has exactly the weight gradient's norm. FSDP2-sharded gradients are
-    gathered whole, preconditioned, and written back to this rank's rows (:mod:`.fsdp`);
+    gathered whole, preconditioned, and written back to this rank's rows
+    (:mod:`torch_impl.kronecker.placement`);
     with an ``owner`` (rank, group), only that rank gathers and preconditions them."""
     module = layer.module
     weight = module.weight
@@ -155,13 +159,13 @@ def precondition_layer(layer, s, o, workspace=None, owner=None):
     gradients = FullGradients(module) if owner is None else OwnerGradients(module, *owner)
     with gradients as grads:
         if grads.weight is not None:  # None: another rank owns and computes this layer
-            _precondition_gradients(layer, s, o, workspace, grads)
+            _precondition_gradients(layer, s, rule, workspace, grads)
 
 
-def _precondition_gradients(layer, s, o, workspace, grads):
+def _precondition_gradients(layer, s, rule, workspace, grads):
     module = layer.module
     matrix = grads.matrix(layer)
-    cd = torch.promote_types(matrix.dtype, o.compute_dtype)
+    cd = torch.promote_types(matrix.dtype, rule.compute_dtype)
     grad_W = matrix.to(cd)
     grad_b = None
     bias_grad = grads.bias if layer.has_bias else None
@@ -169,7 +173,7 @@ def _precondition_gradients(layer, s, o, workspace, grads):
     if layer.has_bias:  # an unused bias still owns a column of R
         grad_b = (bias_grad.to(cd) if bias_grad is not None
                   else torch.zeros(*stack, layer.d_out, dtype=cd, device=grad_W.device))
-    pd = o.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
+    pd = rule.precondition_dtype or cd  # the two GEMMs may run in bf16/fp16 (rescale stays in cd)
     shape = (*stack, layer.d_out, layer.d_in - layer.has_bias)  # d_in counts the bias column
     work = None if workspace is None else workspace.views([shape, shape], pd, grad_W.device)
     L_inv, R_inv = s.get("L_inv"), s.get("R_inv")
@@ -183,7 +187,7 @@ def _precondition_gradients(layer, s, o, workspace, grads):
     in_place = grad_W is matrix and (matrix is grads.weight or matrix._base is grads.weight)
     counted_b = bias_grad is not None
     delta_W, delta_b = rescale(delta_W, delta_b if counted_b else None, grad_W,
-                               grad_b if counted_b else None, o.rescale,
+                               grad_b if counted_b else None, rule.rescale,
                                out_W=matrix if in_place else None)
     if not in_place:
         if grads.sharded:

@@ -4,7 +4,7 @@ Mozaffari, Li, Zhang, Mehri Dehnavi, "MKOR: Momentum-Enabled Kronecker-Factor-Ba
 Optimizer Using Rank-1 Updates", NeurIPS 2023 (spec MKOR.md). MKOR hooks the model,
 rewrites ``.grad`` in place, then steps the user's ``torch.optim`` optimizer; it is
 itself a ``torch.optim.Optimizer`` over the backbone's param groups
-(:mod:`.wrapper`), so schedulers, ``GradScaler`` and ``transformers.Trainer`` take it.
+(:mod:`torch_impl.kronecker.optimizer`), so schedulers, ``GradScaler`` and ``transformers.Trainer`` take it.
 
 Per preconditioned layer (W in R^{d_out x d_in}, bias b) it stores J_L = L^{-1} and
 J_R = R^{-1}, both starting at I. Each step t:
@@ -22,18 +22,19 @@ the rank-1 vectors of :mod:`.vectors`, f = ``inv_freq``, t_w = ``warmup_steps``.
 """
 import torch
 
-from .capture import Capture, weak_schedule
-from .config import MKOROptions
-from .discovery import (discover, unwrap_model, warn_identity_sides,
-                        warn_nothing_preconditioned)
-from .distributed import OverlapCapture, VectorExchange, world_size
-from .factors import RELEASED_THRESHOLD
-from .fsdp import check_supported_sharding, kept_here, owner_map, owns
-from .hybrid import HybridSwitching
-from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
-from .vectors import grad_row_sum, input_row_sum
-from .wrapper import PreconditionedOptimizer
 from ..common.validation import check_bool
+from ..kronecker.capture import Capture, weak_schedule
+from ..kronecker.discovery import (discover, unwrap_model, warn_identity_sides,
+                                   warn_nothing_preconditioned)
+from ..kronecker.exchange import world_size
+from ..kronecker.optimizer import PreconditionedOptimizer
+from ..kronecker.placement import check_supported_sharding, kept_here, owner_map, owns
+from .config import MKOROptions
+from .factors import RELEASED_THRESHOLD
+from .hybrid import HybridSwitch
+from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
+from .vector_exchange import BackwardProgress, VectorExchange
+from .vectors import grad_row_sum, input_row_sum
 
 __all__ = ["MKOR"]
 
@@ -71,7 +72,7 @@ def _row_mean(a_sum, rows):
     return a_sum / (rows.unsqueeze(-1) if rows.dim() else rows)
 
 
-class MKOR(HybridSwitching, PreconditionedOptimizer):
+class MKOR(PreconditionedOptimizer):
     r"""MKOR / MKOR-H: a ``torch.optim.Optimizer`` preconditioning a backbone optimizer.
 
     Usage::
@@ -208,19 +209,22 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
         if not self._layers:
             warn_nothing_preconditioned("MKOR", self._skipped)
         self._steps = 0
-        self._init_hybrid(o, unwrap_model(model))
+        self._factor_rule, self._precondition_rule = o.factor_rule, o.precondition_rule
+        layers = self._layers
+        self._hybrid = HybridSwitch(  # MKOR-H (K18): averages losses where the layers live
+            o.switch, unwrap_model(model), process_group,
+            device=lambda: layers[0].module.weight.device if layers else "cpu")
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
-        self._exchange = VectorExchange(self._layers, model, o.compute_dtype, o.comm_dtype,
-                                        o.average, process_group)
-        hooks = dict(grad_hook=o.grad_hook, model=unwrap_model(model), mask_kwarg=o.token_mask,
-                     self_check=self_check)
-        if comm_overlap:
-            hooks["on_backward_done"] = weak_schedule(self._launch_early)
-        self._capture = (OverlapCapture if comm_overlap else Capture)(
+        self._exchange = VectorExchange(self._layers, model, o.exchange, process_group)
+        # comm_overlap: launch the all-reduce when a backward has reached every captured layer
+        self._progress = BackwardProgress(weak_schedule(self._launch_early)) if comm_overlap \
+            else None
+        self._capture = Capture(
             self._layers, weak_schedule(self.factor_update_due), _input_stat, _grad_stat,
-            **hooks)
+            grad_hook=o.grad_hook, model=unwrap_model(model), mask_kwarg=o.token_mask,
+            self_check=self_check, listener=self._progress)
         self._capture.register()
         self._attach([unwrap_model(model)] + [l.module for l in self._layers])
 
@@ -239,7 +243,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
     def factor_update_due(self):
         """K2 schedule for the current step: t % inv_freq == 0 or t < warmup_steps."""
         o = self.options
-        return not (self._switched or self._detached) and (
+        return not (self._hybrid.switched or self._detached) and (
             self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)
 
     def captured_modules(self):
@@ -274,7 +278,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
     def __repr__(self):
         return (f"MKOR(layers={len(self._layers)}, skipped={len(self._skipped)}, "
                 f"variant={self.options.variant!r}, steps={self._steps}, "
-                f"switched={self._switched}, optimizer={type(self.optimizer).__name__})")
+                f"switched={self.switched}, optimizer={type(self.optimizer).__name__})")
 
     # -- state --------------------------------------------------------------------------
     def _initial_state(self, layer, device=None):
@@ -301,12 +305,12 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
     def _preconditioner_state(self, clone):
         """MKOR's own state: factors and counters (by module name), step count, switch
         state and buffered losses, loss scale (the tensors copied if ``clone``)."""
-        layers = (self._released_state() if self._switched else
+        layers = (self._released_state() if self.switched else
                   {n: {k: v.clone() if clone else v for k, v in s.items()}
                    for n, s in self._state.items()})
-        return {"steps": self._steps, "switched": self._switched, "layers": layers,
-                "rule": None if self._rule is None else self._rule.state_dict(),
-                "losses": None if self._feed is None else self._feed.state_dict(),
+        hybrid = self._hybrid.state_dict()
+        return {"steps": self._steps, "switched": hybrid["switched"], "layers": layers,
+                "rule": hybrid["rule"], "losses": hybrid["losses"],
                 "grad_scale": self._grad_scale}
 
     def load_preconditioner_state_dict(self, state):
@@ -332,16 +336,45 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                                          f"{tuple(own[key].shape)}")
                     own[key] = value.to(device=own[key].device, dtype=own[key].dtype).clone()
         self._steps = state["steps"]
-        if self._rule is not None and state.get("rule") is not None:
-            self._rule.load_state_dict(state["rule"])
-        if self._feed is not None and state.get("losses") is not None:
-            self._feed.load_state_dict(state["losses"])
+        self._hybrid.load_state_dict(state)
         self._grad_scale = state.get("grad_scale", self._grad_scale)
 
     def remove(self):
         super().remove()
-        if self._tap_handle is not None:
-            self._tap_handle.remove()
+        self._hybrid.remove()
+
+    # -- MKOR-H (K18; :mod:`.hybrid`) --------------------------------------------------------
+    @property
+    def switched(self):
+        """Whether MKOR-H has handed over to the backbone (one-way)."""
+        return self._hybrid.switched
+
+    @property
+    def switch_rule(self):
+        return self._hybrid.rule
+
+    def _switch(self):
+        """One-way hand-over: hooks removed, factors freed, backbone state kept."""
+        self._exchange.drop()
+        self._capture.remove()
+        self._state = {}
+        self._hybrid.mark_switched(self._steps)
+
+    def observe_loss(self, loss):
+        """Feed this step's loss to the MKOR-H rule (a float, or a tensor: buffered and read
+        once per ``switch_check_every`` steps, when the rule checks, so a tensor costs no
+        host sync at the other steps); call it before ``step()``. Distributed, the rule
+        sees the mean loss over the ranks, so every rank switches at the same step. Returns
+        whether MKOR has switched."""
+        if self._hybrid.observe_loss(loss):
+            self._switch()
+        return self.switched
+
+    def _observe(self, loss):
+        """This step's loss: ``loss`` (argument or closure), else one given to
+        :meth:`observe_loss` since the last step, else the model output's."""
+        if self._hybrid.observe(loss, self._steps, lambda m: self._warn_once("no loss", m)):
+            self._switch()
 
     # -- the step -----------------------------------------------------------------------
     def _drop_statistics(self, completed_only=False):
@@ -350,20 +383,19 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
             self._capture.drop_committed()
         else:
             self._capture.reset()
-        if self._feed is not None:
-            self._feed.drop()
+        self._hybrid.drop()
 
     @torch.no_grad()
     def precondition(self):
         """Update factors when due (K2) and replace every hooked layer's ``.grad`` by
         its rescaled preconditioned gradient (K13, K14); advances the step counter.
         A no-op after the MKOR-H switch. No host synchronisation."""
-        if self._switched or self._detached:
+        if self.switched or self._detached:
             return
-        if self._capture.binding.moved():  # parameters replaced since construction (.fsdp)
-            self._owners = self._capture.binding.follow(self, self.options.factor_placement,
+        if self._binding.moved():  # parameters replaced since construction (placement)
+            self._owners = self._binding.follow(self, self.options.factor_placement,
                                                         "MKOR")
-        if self._rule is not None and self._rule.step_due(self._steps):
+        if self._hybrid.step_due(self._steps):
             self._switch()
             return
         if self.factor_update_due():
@@ -419,7 +451,7 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
     def _launch_early(self):
         """comm_overlap: a backward pass has reached every captured layer."""
         if self.factor_update_due():
-            self._exchange.launch_early(self.pending_sums(), self._capture.commits)
+            self._exchange.launch_early(self.pending_sums(), self._progress.commits)
 
     def _vectors(self):
         """(layer, a_bar, g_bar, present) for every layer to update this step. Distributed,
@@ -442,14 +474,15 @@ class MKOR(HybridSwitching, PreconditionedOptimizer):
                 else:  # only calls with 0 rows (an MoE expert routed no tokens)
                     out.append((layer, None, None, False))
             return out
-        return self._exchange.exchange(pending, getattr(self._capture, "commits", None))
+        return self._exchange.exchange(
+            pending, None if self._progress is None else self._progress.commits)
 
     def _update_factors(self):
         for layer, a_bar, g_bar, present in self._vectors():
             if self._owns(layer.name):  # the owner alone updates an owned layer's factors
                 update_layer_factors(self._state[layer.name], a_bar, g_bar, present,
-                                     self.options, self._workspace)
+                                     self._factor_rule, self._workspace)
 
     def _precondition_layer(self, layer):
-        precondition_layer(layer, self._state[layer.name], self.options, self._workspace,
-                           self._owners.get(layer.name))
+        precondition_layer(layer, self._state[layer.name], self._precondition_rule,
+                           self._workspace, self._owners.get(layer.name))

@@ -31,17 +31,16 @@ the routed experts, with the module's own ``_apply_gate``, activation and norm, 
 layout the decorator declares is handled. Refused with the layout named: expert parallelism
 (sentinel expert ids); a forward that does not take (hidden_states, top_k_index,
 top_k_weights). :class:`TransformersExperts` is this layout's adapter
-(:mod:`.expert_layouts`; torchtitan's ``GroupedExperts`` is :mod:`.titan_experts`).
+(:mod:`.layout`; torchtitan's ``GroupedExperts`` is :mod:`.torchtitan`).
 """
 import inspect
 
 import torch
-import torch.nn.functional as F
 
-from .expert_layouts import ExpertProjection, ExpertsLayout, FusedExpertsType, product_dtype
+from .layout import ExpertProjection, ExpertsLayout, product_dtype
 
-__all__ = ["ExpertProjection", "FusedExpertsType", "TransformersExperts", "TRANSFORMERS",
-           "is_fused_experts", "expert_projections", "expert_rows", "bind_expert_inputs"]
+__all__ = ["TransformersExperts", "TRANSFORMERS", "is_fused_experts", "expert_projections",
+           "expert_rows", "bind_expert_inputs"]
 
 #: what ``use_experts_implementation`` sets on every instance of a decorated class
 _LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -170,7 +169,7 @@ def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
 
 
 class TransformersExperts(ExpertsLayout):
-    """The adapter (:class:`~.expert_layouts.ExpertsLayout`) of transformers 5's fused
+    """The adapter (:class:`~.layout.ExpertsLayout`) of transformers 5's fused
     experts: the functions above."""
 
     name = "transformers fused experts"

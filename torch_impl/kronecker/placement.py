@@ -56,13 +56,15 @@ weight hooks of the capture. The result is the run of a preconditioner built aft
 re-parameterised after the optimizer was built and nobody switched them), the backbone
 would step tensors that no longer receive gradients: the step raises ``RuntimeError``.
 """
-from ..common.sharding import is_dtensor
-
 import math
 import weakref
 
 import torch
 import torch.distributed as dist
+
+from ..common.sharding import assign_owners as lpt_owners, is_dtensor
+from .discovery import unwrap_model
+from .layers import LayerType
 
 __all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
            "assign_owners", "owner_map", "owns", "kept_here", "ParameterBinding"]
@@ -110,16 +112,11 @@ def check_supported_sharding(model, layers, owner):
                     f"{SUPPORTED_PLACEMENTS} (tensor parallel and other shardings give the "
                     f"hooks partial rows). Leave the layer out with skip_modules, or "
                     f"shard it with fully_shard only.")
-            if kind == "weight" and type(layer.type).as_matrix is _base_as_matrix():
+            if kind == "weight" and type(layer.type).as_matrix is LayerType.as_matrix:
                 raise ValueError(
                     f"{owner}: {layer.name}.weight is sharded by FSDP2 and its layer type "
                     f"{layer.type.name!r} has no as_matrix(): define it (a (d_out, d_in) view "
                     f"of a weight-shaped tensor) to precondition it under FSDP2")
-
-
-def _base_as_matrix():
-    from .layers import LayerType
-    return LayerType.as_matrix
 
 
 class _Gradients:
@@ -176,14 +173,9 @@ def _write_rows(shard, full):
 
 def assign_owners(costs, world):
     """{name: rank} for ``costs`` ({name: cost}, in layer order): the costliest first, each to
-    the least-loaded rank (ties: the lower rank; equal costs keep the layer order)."""
-    load = [0] * world
-    owners = {}
-    for name in sorted(costs, key=lambda n: -costs[n]):  # a stable sort: ties keep the order
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[name] = rank
-        load[rank] += costs[name]
-    return owners
+    the least-loaded rank (ties: the lower rank; equal costs keep the layer order), the greedy
+    LPT map MARS's owner orthogonalisation uses (:func:`~torch_impl.common.sharding.assign_owners`)."""
+    return dict(zip(costs, lpt_owners(list(costs.values()), world)))
 
 
 def owner_map(layers, placement, owner):
@@ -324,7 +316,6 @@ class ParameterBinding:
                 f"longer get gradients. Build the optimizer and {owner} after sharding the "
                 f"model, or pass the model and the optimizer together to "
                 f"accelerate's Accelerator.prepare(model, optimizer), which switches them")
-        from .discovery import unwrap_model
         check_supported_sharding(unwrap_model(pre.model), self._layers, owner)
         owners = owner_map(self._layers, placement, owner)
         for layer in self._layers:

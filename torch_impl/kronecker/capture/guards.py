@@ -1,4 +1,4 @@
-"""What every capture hook runs inside (:mod:`.capture`, :mod:`.expert_capture`): whether a
+"""What every capture hook runs inside (:mod:`.capture`, :mod:`.experts`): whether a
 backward pass is running (a forward now is a checkpoint's recompute), our own computations kept
 out of the call's row tracker, and any failure raised as an error that names the layer."""
 import contextlib

@@ -1,13 +1,16 @@
-"""The hook objects MKOR and K-FAC install on a model, its modules and its parameters.
+"""The hook objects MKOR and K-FAC install on a model, its modules and its parameters, and the
+schedule those hooks consult, held weakly (:func:`weak_schedule`).
 
 Each is a module-level callable, never a local closure, so the model stays picklable, and
 each copies (``copy.deepcopy``, ``copy.copy``, ``pickle``) as an :class:`InertHook`, which does
 nothing: a copy of the model (EMA, ``torch.optim.swa_utils.AveragedModel``,
 ``torch.save(model)``) never reaches the original's statistics (``paper_notes/capture.md``).
 """
+import weakref
+
 import torch
 
-__all__ = ["BoundHook", "CopyInertHook", "Gated", "InertHook"]
+__all__ = ["BoundHook", "CopyInertHook", "Gated", "InertHook", "weak_schedule"]
 
 
 class InertHook:
@@ -57,3 +60,14 @@ class Gated(CopyInertHook):
         if not self.capture.capturing:
             return None
         return self.inner(*args)
+
+
+def weak_schedule(method):
+    """A ``should_capture`` callable that holds its owner weakly: hooks left behind by a
+    preconditioner that was garbage-collected capture nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def schedule():
+        bound = ref()
+        return bound is not None and bound()
+    return schedule

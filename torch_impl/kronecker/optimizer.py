@@ -1,4 +1,5 @@
-r"""The ``torch.optim.Optimizer`` face of a hook-based preconditioner (MKOR, K-FAC).
+r"""The ``torch.optim.Optimizer`` face of a hook-based preconditioner (MKOR, K-FAC): one class,
+:class:`PreconditionedOptimizer`, that both methods subclass.
 
 A preconditioner wraps a backbone optimizer and must work wherever a
 ``torch.optim.Optimizer`` is expected: ``torch.amp.GradScaler``, the
@@ -7,7 +8,11 @@ Lightning ``configure_optimizers``, checkpoints. :class:`PreconditionedOptimizer
 therefore *is* an Optimizer whose ``param_groups``, ``state`` and ``defaults`` are the
 backbone's own objects (properties, so a scheduler's lr change or a backbone
 ``load_state_dict`` is seen at once), and whose ``state_dict()`` is the backbone's with the
-preconditioner's state laid out on the parameters (:mod:`.state_layout`).
+preconditioner's state laid out on the parameters (:mod:`.state_layout`), so it travels
+wherever per-parameter state does (``torch.save``, DCP, torchtitan's flat FQN layout);
+``init_state`` creates the backbone's state without a counted step. What it tells about its
+layers (which are preconditioned, why the others are not, which rows each read, the
+self-check's verdicts) is :meth:`PreconditionedOptimizer.capture_report` (:mod:`.report`).
 
 **GradScaler.** The class sets ``_step_supports_amp_scaling``, so ``scaler.step(opt)`` hands
 it the loss scale and an overflow flag instead of unscaling the gradients itself. The step
@@ -39,15 +44,19 @@ anything holding it) raise ``TypeError`` at once. Its checkpoint is :meth:`state
 it with the model's, build a new preconditioner on the copied or loaded model, and
 ``load_state_dict``. The model alone copies and pickles freely; its copy carries inert hooks
 (:mod:`.capture`).
+
+**Parameters replaced after construction** (FSDP2's ``fully_shard`` under accelerate) are
+followed at the next step (:class:`~.placement.ParameterBinding`).
 """
 import warnings
 import weakref
 
 import torch
 
-from .checkpoints import Checkpoints
-from .report import HookedLayers
-from .state_layout import StateView
+from ..common.optim_state import init_backbone_state
+from .placement import ParameterBinding
+from .report import CaptureReport, row_count
+from .state_layout import StateView, collect, packed_index, place, saved_param_ids
 
 __all__ = ["PreconditionedOptimizer"]
 
@@ -55,11 +64,12 @@ __all__ = ["PreconditionedOptimizer"]
 _OWNERS = weakref.WeakKeyDictionary()
 
 
-class PreconditionedOptimizer(HookedLayers, Checkpoints, torch.optim.Optimizer):
-    """Base class: subclasses set ``_state_key`` and implement :meth:`precondition`,
-    ``_preconditioner_state(clone)``, :meth:`load_preconditioner_state_dict` and
-    ``_drop_statistics(completed_only=False)``; they call :meth:`_bind` first in ``__init__`` and
-    :meth:`_attach` once their hooks exist."""
+class PreconditionedOptimizer(torch.optim.Optimizer):
+    """Base class of MKOR and K-FAC: subclasses set ``_state_key`` and implement
+    :meth:`precondition`, ``_preconditioner_state(clone)``,
+    :meth:`load_preconditioner_state_dict` and ``_drop_statistics(completed_only=False)``; they
+    call :meth:`_bind` first in ``__init__``, set ``_layers``, ``_skipped`` ({name: reason}),
+    ``_frozen``, ``_steps`` and ``_capture``, and call :meth:`_attach` once their hooks exist."""
 
     _step_supports_amp_scaling = True
     _state_key = "preconditioner"
@@ -143,6 +153,8 @@ class PreconditionedOptimizer(HookedLayers, Checkpoints, torch.optim.Optimizer):
                 other.remove()
                 displaced.append(type(other).__name__)
             _OWNERS[module] = weakref.ref(self)
+        #: the parameters the layers were built on, to follow their replacement
+        self._binding = ParameterBinding(self._layers)
         if displaced:
             warnings.warn(f"{type(self).__name__}: the model already carried the hooks of an "
                           f"earlier {displaced[0]}; they were removed (one preconditioner per "
@@ -154,6 +166,68 @@ class PreconditionedOptimizer(HookedLayers, Checkpoints, torch.optim.Optimizer):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, category, stacklevel=3)
+
+    # -- what is preconditioned, and why (:mod:`.report`) -------------------------------
+    @property
+    def preconditioned_modules(self):
+        """Names of the preconditioned modules (in ``named_modules`` order)."""
+        return [layer.name for layer in self._layers]
+
+    @property
+    def skipped_modules(self):
+        """Names of modules with parameters that go to the backbone unpreconditioned."""
+        return list(self._skipped)
+
+    @property
+    def skip_reasons(self):
+        """{module name: why it is not preconditioned}."""
+        return dict(self._skipped)
+
+    @property
+    def unmasked_reasons(self):
+        """{module name: why its rows were not selected by a token mask}: layers that ran in
+        a call with token masks but whose rows could not be matched to their mask (e.g. a
+        pooler's (B, d) rows, an MoE expert's routed rows); they use all their rows."""
+        return dict(self._capture.unmasked)
+
+    @property
+    def steps(self):
+        return self._steps
+
+    def capture_report(self):
+        """What was captured, in one call: a :class:`CaptureReport` ({module name: row}).
+
+        Each row: ``preconditioned`` (bool) and ``reason`` (why not, or why it stopped);
+        ``mask``: where its rows' mask came from at its last capture ("tokens": a token
+        mask in the rows' own layout; "per sample": one row per sample, all real; "none":
+        its rows come from no masked input, or the call had no mask; "untied": a mask
+        exists but the rows could not be tied to it; "all rows (self-check)"), with
+        ``unmasked`` the reason when the rows use no mask although masks were there;
+        ``rows``: rows counted at its last capture (reading a masked count is a host
+        synchronisation, made here and not in the step); ``self_check``: the verdicts of
+        its last checked capture ({"padding": "pass" | "fail", "weight": "pass" | "fail",
+        "ratio": discrepancy / rounding bound, ...}, empty until checked)."""
+        capture = self._capture
+        released = capture.check.released
+        rows = {}
+        for layer in self._layers:
+            name = layer.name
+            count = capture.last_rows.get(name)
+            rows[name] = {
+                "preconditioned": name not in released,
+                "reason": released.get(name),
+                "mask": capture.mask_source.get(name, "not captured yet"),
+                "unmasked": capture.unmasked.get(name),
+                "rows": None if count is None else row_count(count),
+                "eval_mode_seen": name in capture.eval_seen,
+                "self_check": dict(capture.check.verdicts.get(name, {})),
+            }
+        for name, reason in self._skipped.items():
+            if name not in rows:
+                rows[name] = {"preconditioned": False, "reason": reason, "mask": None,
+                              "unmasked": None, "rows": None, "eval_mode_seen": False,
+                              "self_check": {}}
+        return CaptureReport(rows, sorted(capture.mask_notes))
 
     # -- optimizer API ----------------------------------------------------------------------
     def add_param_group(self, param_group):
@@ -310,3 +384,95 @@ class PreconditionedOptimizer(HookedLayers, Checkpoints, torch.optim.Optimizer):
             why = "no forward under grad in train mode reached a backward since the last step"
         self._warn_once("nothing captured", f"{type(self).__name__}: no statistics were "
                         f"captured for a factor update: {why}; the factors stay as they are")
+
+    # -- checkpoints: the state laid out on the parameters (:mod:`.state_layout`) -------
+    def init_state(self):
+        """Create the backbone's state as its first step would, without stepping: torchtitan's
+        and DCP's ``init_optim_state`` step an optimizer whose ``state`` is empty (zero
+        gradients, lr 0), which would count a step here and in the backbone; after this they
+        see state and do nothing. The preconditioner's own state exists from construction."""
+        init_backbone_state(self.optimizer)
+
+    def _layer_weights(self):
+        """{layer name: the parameter its state rides on} (its weight)."""
+        return {layer.name: layer.module.weight for layer in self._layers}
+
+    def _first_param(self):
+        return next((p for g in self.param_groups for p in g["params"]), None)
+
+    def _entries(self, clone):
+        """{param: {name: entry}}: this preconditioner's state laid out on the parameters."""
+        return place(self._preconditioner_state(clone), self._layer_weights(),
+                     self._first_param(), self._state_key)
+
+    def _write_entry(self, param, name, value):
+        """``state[param][name] = value`` for one of this preconditioner's entries: load it."""
+        own = self._preconditioner_state(clone=False)
+        if name == self._state_key:
+            layer = next(n for n, w in self._layer_weights().items() if w is param)
+            own = dict(own, layers=dict(own["layers"], **{layer: value}))
+        else:
+            own = dict(own, **value)
+        self.load_preconditioner_state_dict(own)
+
+    def preconditioner_state_dict(self):
+        """This preconditioner's own state (copies): ``{"layers": {name: state}, ...}``."""
+        return self._preconditioner_state(clone=True)
+
+    def state_dict(self):
+        """The backbone's ``state_dict()`` with this preconditioner's state on the parameters
+        (:mod:`.state_layout`): each layer's under ``_state_key`` (``"mkor"`` / ``"kfac"``) on
+        its weight, the run's under ``_state_key + "_run"`` on the first parameter. One
+        checkpoint resumes both, and it travels wherever per-parameter state does:
+        ``torch.save``, DCP's ``get_state_dict`` / ``set_state_dict``, torchtitan's flat
+        FQN-keyed layout."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim does
+            hook(self)
+        state = self.optimizer.state_dict()
+        index = packed_index(self.param_groups)
+        packed = dict(state["state"])  # the backbone's live per-parameter dicts: not mutated
+        for param, entry in self._entries(clone=True).items():
+            i = index[id(param)]
+            packed[i] = dict(packed.get(i, {}), **entry)
+        state["state"] = packed
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state = hook(self, state) or state
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output. A plain backbone ``state_dict`` loads too (the
+        preconditioner then keeps its state, with a warning), and so do the earlier layouts:
+        a top-level ``_state_key`` entry (with a copy in the first param group) and the
+        preconditioner-only ``{"steps", "layers", ..., "optimizer"?}``."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch.optim does
+            state_dict = hook(self, state_dict) or state_dict
+        state = dict(state_dict)
+        own = state.pop(self._state_key, None)
+        groups = state.get("param_groups")
+        if groups and self._state_key in groups[0]:  # the earlier copy carried through DCP
+            first = dict(groups[0])
+            carried = first.pop(self._state_key)
+            state["param_groups"] = [first] + list(groups[1:])
+            own = carried if own is None else own
+        if own is None and "layers" in state and "param_groups" not in state:
+            own, state = state, state.get("optimizer")
+        if state is not None and "state" in state:
+            saved_ids = saved_param_ids(state, self.param_groups)
+            by_id = {saved_ids[id(w)]: name for name, w in self._layer_weights().items()}
+            state["state"], placed = collect(state["state"], by_id, self._state_key)
+            own = placed if placed is not None else own
+        if own is None:
+            warnings.warn(f"{type(self).__name__}.load_state_dict: no '{self._state_key}' entry: "
+                          "only the backbone's state was loaded", UserWarning, stacklevel=2)
+        backup = self.preconditioner_state_dict()
+        try:  # the preconditioner first: a mismatch leaves the backbone untouched
+            if own is not None:
+                self.load_preconditioner_state_dict(own)
+            if state is not None and "param_groups" in state:
+                self.optimizer.load_state_dict(state)
+        except Exception:
+            self.load_preconditioner_state_dict(backup)
+            raise
+        self._capture.refresh()  # the restored step count decides the next capture
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

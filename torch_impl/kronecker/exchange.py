@@ -1,39 +1,23 @@
-r"""Averaging MKOR's rank-1 vectors (and K-FAC's factors) over data-parallel ranks
-(spec MKOR.md 2.7).
+r"""The statistics exchange of the Kronecker-factored preconditioners: one flat buffer per
+collective (spec MKOR.md 2.7).
 
-**What is sent.** On a factor-update step every rank packs, for each preconditioned layer
-m in discovery order, the *sums* behind its vectors: :math:`\sum_i [a_i | 1]` over its
-rows (d_in' values) then :math:`\sum_i g_i` (d_out values), into one flat buffer and
-calls ``all_reduce(SUM)`` on it once. The buffer holds
+A :class:`Packet` lays out *items* (one per layer, each a list of tensors) in one flat buffer,
+which one collective sums over the ranks: ``all_reduce(SUM)`` (every rank gets the sums) or
+``reduce(SUM)`` to one owning rank. Items are *sums* whose count (of rows) travels with them:
+where the first tensor's last entry is the sum of a bias column's constant input 1 over the
+rows, that entry *is* the count and nothing is added ("carried"); otherwise one count value is
+appended after all the items. After the SUM each rank divides by the union's count, so the
+result is one process's statistics on the union of the batches: a rank where a layer had no
+rows (an MoE expert routed no tokens there) contributes zeros and a count of 0, never a 0/0,
+and a layer with no rows on any rank comes back with count 0. ``ReduceOp.AVG`` is not used:
+gloo lacks it. (:class:`Packet` also offers the older mean-of-means packing, ``sums=False``,
+with each item's count of contributing ranks.)
 
-.. math::
-    \textstyle\sum_m (d'_{in,m} + d_{out,m}) \;+\; \#\{m : m \text{ has no bias}\}
+What travels is each method's: MKOR's O(d) vectors (:mod:`torch_impl.mkor.vector_exchange`),
+K-FAC's O(d^2) factor sums (:mod:`torch_impl.baselines.kfac`). ``Packet.nbytes`` is what one
+rank contributes per collective (a ring all-reduce puts 2(P-1)/P of it on each rank's link).
 
-values. The second term is the row count of each bias-free layer. A layer with a bias
-needs no extra value: the last entry of its input sum is the sum of the bias column's
-constant input 1 over the rows, which *is* the row count. After the SUM every rank holds
-the union's sums and row count, so
-
-.. math::
-    \bar a = \frac{\sum_r \sum_{i \in r} [a_i | 1]}{\sum_r n_r}, \qquad
-    \bar g = \frac1P \sum_r \sum_{i \in r} g_i ,
-
-exactly one process's vectors on the union of the batches: the mean over the rows that
-exist (a rank where the layer had no rows, an MoE expert routed no tokens there,
-contributes zeros and a count of 0, never a 0/0), and the gradient sum of the
-rank-averaged loss, which is what DDP's gradient averaging (a division by P) makes of
-each rank's mean loss. A layer with no rows on any rank comes back with count 0 and is
-left untouched ("no rows"). ``ReduceOp.AVG`` is not used: gloo lacks it.
-``average="double"`` divides both vectors by P once more, reproducing the released code's
-bug (the rank-1 term scaled by 1/P^2), for differential tests only. (:class:`Packet` also
-offers the older mean-of-means packing, ``sums=False``, with each item's count of
-contributing ranks.)
-
-**Volume.** ``Packet.nbytes`` = values x itemsize per rank per factor update: O(d) per
-layer. (A ring all-reduce puts 2(P-1)/P of that on each rank's link.) K-FAC's factor
-all-reduce, packed the same way, holds sum_m (d_in'^2 + d_out^2) (+ counts): O(d^2).
-
-**Reduced precision** (``comm_dtype`` float16 / bfloat16, unit roundoff u = 2^-11 / 2^-8).
+**Reduced precision** (a float16 / bfloat16 wire dtype, unit roundoff u = 2^-11 / 2^-8).
 Each rank's values are rounded once to the wire dtype and the backend sums the P terms in
 that dtype, so with :math:`\gamma_P = Pu/(1-Pu)`
 
@@ -49,9 +33,7 @@ raise ``ValueError``.
 import torch
 import torch.distributed as dist
 
-from .capture import Capture
-
-__all__ = ["world_size", "Packet", "Reduction", "VectorExchange", "OverlapCapture"]
+__all__ = ["world_size", "Packet", "Reduction"]
 
 _EXACT_COUNTS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8,
                  torch.float32: 2 ** 24, torch.float64: 2 ** 53}
@@ -200,119 +182,3 @@ class Reduction:
         if self.packet.sums:
             return self.packet.unpack_sums(self.buffer, out_dtype)
         return self.packet.unpack(self.buffer, out_dtype, average, self.world)
-
-
-class VectorExchange:
-    """MKOR's communication: the packet of its layers (the sums behind a_bar and g_bar per
-    layer, bias-free layers' row counts), the launch (at ``step()``, or from the backward
-    pass with ``comm_overlap``) and the running byte count."""
-
-    def __init__(self, layers, model, compute_dtype, comm_dtype=None, average="once",
-                 group=None):
-        self.layers, self.model, self.group = list(layers), model, group
-        self.compute_dtype, self.average = compute_dtype, average
-        # a stack of experts sends its (E, .) sums and its (E,) row counts as a third
-        # tensor (one count per expert; the appended count is then unused)
-        self.packet = Packet([[(l.d_in,), (l.d_out,)] if l.experts is None else
-                              [(l.experts, l.d_in), (l.experts, l.d_out), (l.experts,)]
-                              for l in self.layers],
-                             [l.has_bias and l.experts is None for l in self.layers],
-                             comm_dtype or compute_dtype, sums=True)
-        self.communicated_bytes = 0
-        self._inflight = None  # (Reduction, capture commits when it was launched)
-
-    def _launch(self, pending, async_op):
-        """``pending``: {name: (a_sum, rows, g_sum)}."""
-        items = [None if l.name not in pending else
-                 [pending[l.name][0], pending[l.name][2]] if l.experts is None else
-                 [pending[l.name][0], pending[l.name][2], pending[l.name][1]]
-                 for l in self.layers]
-        counts = [pending[l.name][1] if l.name in pending and l.experts is None else 0
-                  for l in self.layers]
-        reduction = self.packet.all_reduce(items, self.layers[0].module.weight.device,
-                                           self.group, async_op, counts)
-        self.communicated_bytes += self.packet.nbytes
-        return reduction
-
-    def launch_early(self, pending, commits):
-        """Start the all-reduce now (asynchronously) from the current statistics. Skipped
-        inside DDP's ``no_sync()`` (not the last micro-batch). A launch still unused from
-        an earlier backward of this step is stale: it is finished and discarded, so every
-        rank issues the same collectives in the same order."""
-        if not self.layers or world_size(self.group) == 1:
-            return
-        if getattr(self.model, "require_backward_grad_sync", True) is False:
-            return
-        self.drop()
-        self._inflight = (self._launch(pending, async_op=True), commits)
-
-    def exchange(self, pending, commits=None):
-        """[(layer, a_bar, g_bar, present)] of the union of the ranks' rows (module
-        docstring) from this rank's ``pending`` {name: (a_sum, rows, g_sum)}; uses the early
-        launch if no statistic was committed after it."""
-        if not self.layers:
-            return []
-        reduction = None
-        if self._inflight is not None:
-            launched, at = self._inflight
-            self._inflight = None
-            if at == commits:
-                reduction = launched
-            else:
-                launched.finish()
-        if reduction is None:
-            reduction = self._launch(pending, async_op=False)
-        results = reduction.wait(self.compute_dtype)
-        world = world_size(self.group)
-        divide = world * world if self.average == "double" else world
-        out = []
-        for layer, (sums, rows) in zip(self.layers, results):
-            dev = layer.module.weight.device
-            a_sum, g_sum = sums[:2]
-            if layer.experts is not None:  # per expert: its own count
-                rows = sums[2]
-                a_bar = a_sum / rows.clamp(min=1).unsqueeze(-1)
-            else:
-                a_bar = a_sum / rows.clamp(min=1)
-            if self.average == "double":
-                a_bar = a_bar / world
-            out.append((layer, a_bar.to(dev), (g_sum / divide).to(dev), rows.to(dev) > 0))
-        return out
-
-    def drop(self):
-        """Finish and forget an unused early launch (``zero_grad`` without a step)."""
-        if self._inflight is not None:
-            self._inflight[0].finish()
-            self._inflight = None
-
-
-class OverlapCapture(Capture):
-    """:class:`~.capture.Capture` that calls ``on_backward_done()`` whenever the last
-    outstanding forward of the hooked layers has received its gradient statistic, i.e.
-    when a backward pass has reached every captured layer. MKOR launches its vector
-    all-reduce there (``comm_overlap=True``), so the reduction runs during the rest of the
-    backward pass (the first layer's weight gradient, DDP's last bucket all-reduce) and
-    whatever the caller does before ``step()``. ``commits`` counts committed statistics, so
-    a launch that later statistics made stale can be recognised."""
-
-    def __init__(self, *args, on_backward_done, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.on_backward_done = on_backward_done
-        self.outstanding = 0
-        self.commits = 0
-
-    def _captured(self, layer):
-        self.outstanding += 1
-
-    def _committed(self, layer, counted=True):
-        self.commits += 1
-        if not counted:  # a recompute's statistic: reentrant checkpointing, no launch
-            return
-        self.outstanding -= 1
-        if self.outstanding == 0:
-            self.on_backward_done()
-
-    def reset(self):
-        super().reset()
-        self.outstanding = 0
-        self.commits = 0

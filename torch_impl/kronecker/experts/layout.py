@@ -1,17 +1,18 @@
 r"""What every fused-experts layout shares: a projection as a layer, and the adapter protocol.
 
 A fused experts module holds E expert linear layers per projection as one 3-D parameter.
-Each layout (transformers 5's ``use_experts_implementation`` classes, :mod:`.experts`;
-torchtitan's ``GroupedExperts``, :mod:`.titan_experts`) is described by one
+Each layout (transformers 5's ``use_experts_implementation`` classes, :mod:`.transformers`;
+torchtitan's ``GroupedExperts``, :mod:`.torchtitan`) is described by one
 :class:`ExpertsLayout` adapter (kfac-pytorch's layer-adapter pattern): how to recognise the
 module, what it declares and what contradicts it, its projections, how one call's inputs bind
 to its forward, and how that call's rows of every projection are recomputed from the inputs
-and the gradient of its output. Discovery (:mod:`.discovery`) and the capture
-(:mod:`.expert_capture`) only talk to the adapter, so both layouts share one machinery.
+and the gradient of its output. Discovery (:mod:`torch_impl.kronecker.discovery`) and the
+capture (:mod:`torch_impl.kronecker.capture.experts`) only talk to the adapter, so both layouts
+share one machinery.
 """
 import torch
 
-from .layers import LayerType
+from ..layers import LayerType
 
 __all__ = ["ExpertProjection", "FusedExpertsType", "ExpertsLayout", "product_dtype"]
 

@@ -32,19 +32,8 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .expert_layouts import FusedExpertsType
-from .experts import TRANSFORMERS
+from .experts import EXPERTS, experts_layout
 from .layers import layer_type_for
-from .titan_experts import TITAN
-
-EXPERTS = FusedExpertsType()
-#: the fused-experts layouts (:class:`~.expert_layouts.ExpertsLayout` adapters), first match wins
-EXPERTS_LAYOUTS = (TRANSFORMERS, TITAN)
-
-
-def experts_layout(module):
-    """The :class:`~.expert_layouts.ExpertsLayout` of a fused experts ``module``, or None."""
-    return next((layout for layout in EXPERTS_LAYOUTS if layout.matches(module)), None)
 
 __all__ = ["Layer", "Discovery", "discover", "unwrap_model", "DEFAULT_MAX_FACTOR_DIM",
            "warn_identity_sides", "warn_nothing_preconditioned"]
@@ -99,6 +88,7 @@ def unwrap_model(model):
     return model
 
 
+_UNREGISTERED = "is not a registered layer type (see torch_impl.kronecker.register_layer_type)"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
 
 
@@ -110,8 +100,7 @@ def _unsupported_type_reason(module):
     if isinstance(module, nn.MultiheadAttention):
         return ("nn.MultiheadAttention's packed q/k/v in-projection is not a Linear module "
                 "(its out_proj is handled on its own)")
-    return (f"{type(module).__name__} is not a registered layer type "
-            "(see torch_impl.mkor.register_layer_type)")
+    return f"{type(module).__name__} {_UNREGISTERED}"
 
 
 def _owners(model):
@@ -144,8 +133,7 @@ def _routers(model):
         for n, child in children.items():
             if experts and n not in experts and layer_type_for(child) is None and any(
                     True for _ in child.parameters(recurse=False)) and \
-                    _unsupported_type_reason(child).endswith("is not a registered layer type "
-                                                             "(see torch_impl.mkor.register_layer_type)"):
+                    _unsupported_type_reason(child).endswith(_UNREGISTERED):
                 full = f"{parent_name}.{n}" if parent_name else n
                 out[full] = _ROUTER_REASON.format(experts=", ".join(
                     f"{parent_name}.{e}" if parent_name else e for e in experts))

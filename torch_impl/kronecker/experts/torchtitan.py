@@ -1,5 +1,5 @@
 r"""torchtitan's ``GroupedExperts`` as three stacks of expert linear layers (the adapter of
-:mod:`.expert_layouts`; ``paper_notes/moe.md``).
+:mod:`.layout`; ``paper_notes/moe.md``).
 
 ``torchtitan.models.common.moe.GroupedExperts`` holds ``w1_EFD`` (E, F, D), ``w2_EDF``
 (E, D, F) and ``w3_EFD`` (E, F, D); its forward takes the routed rows ``x_RD``, already sorted
@@ -38,7 +38,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .expert_layouts import ExpertProjection, ExpertsLayout, product_dtype
+from .layout import ExpertProjection, ExpertsLayout, product_dtype
 
 __all__ = ["GroupedExpertsLayout", "TITAN"]
 

@@ -1,48 +1,53 @@
-"""The capture of fused experts modules (:mod:`.expert_layouts`: transformers' and torchtitan's,
-each through its layout adapter), a part of :class:`~.capture.Capture`: one forward hook per
-experts module for all its projections. The rows are recomputed from the
-call's inputs and the gradient of its output in that output's gradient hook, under the
-autocast state the forward ran in, and each routed pair reads its token's mask; pairing,
-recomputes, masks and the self-check are the capture's own (``paper_notes/moe.md``)."""
+"""The rows of fused experts modules, a part of :class:`~.capture.Capture`: one forward hook per
+experts module for all its projections (each layout through its adapter,
+:mod:`torch_impl.kronecker.experts`). The rows are recomputed from the call's inputs and the
+gradient of its output in that output's gradient hook, under the autocast state the forward
+ran in, and each routed pair reads its token's mask; pairing, recomputes, masks and the
+self-check are the capture's own (``paper_notes/moe.md``)."""
 import torch
 
-from .hook_guards import _guarded, _in_backward, _named_error, _untracked
+from .guards import _guarded, _in_backward, _named_error, _untracked
 
-__all__ = ["ExpertsCapture"]
+__all__ = ["ExpertRows"]
 
 
-class ExpertsCapture:
-    """The fused-experts methods of :class:`~.capture.Capture` (which they call back into)."""
+class ExpertRows:
+    """The hooks of the fused experts modules of ``capture`` (module docstring)."""
 
-    def _experts_rows(self, layers, module, inputs, grad, ctx, found):
+    def __init__(self, capture):
+        self.capture = capture
+
+    def _commit_rows(self, layers, module, inputs, grad, ctx, found):
         """Commit one call's statistics of every projection of a fused experts module from
         the gradient of its output (the layout adapter's ``rows``); ``found``: the layout of
         the call's token rows, followed to each routed pair through its token."""
+        capture = self.capture
         with _untracked(ctx):
             token, expert, rows = layers[0].module.layout.rows(module, inputs, grad)
             mask = None if found.mask is None else found.mask[token]
-            checking = self.check.checking
+            checking = capture.check.checking
             for layer, (a, g) in zip(layers, rows):
-                self._note(layer, found, ctx)
-                sketch = self.check.sketch(layer, a, experts=expert) if checking else None
-                self._commit(layer, self._input(layer, a, mask, experts=expert), mask, g,
-                             sketch, experts=expert)
+                capture.calls.note(layer, found, ctx)
+                sketch = capture.check.sketch(layer, a, experts=expert) if checking else None
+                capture.commit(layer, capture.statistics.input(layer, a, mask, experts=expert),
+                               mask, g, sketch, experts=expert)
 
-    def _experts_hooks(self, layers):
+    def hooks(self, layers):
         """One forward hook on a fused experts module for its projections ``layers``: the
         rows are recomputed in the gradient hook of the call's output, so a call that is
         never back-propagated (a non-reentrant recompute) adds nothing, and a reentrant
         recompute adds its call once, with the layout its first pass recorded."""
+        capture = self.capture
         module = layers[0].module.experts
         first = layers[0]
 
         def experts_hook(module, args, kwargs, output):
-            state = self._active(module)
+            state = capture.active(module)
             if state is None or not isinstance(output, torch.Tensor):
                 return
             if state == "eval":
                 if output.requires_grad:
-                    self.eval_seen.update(layer.name for layer in layers)
+                    capture.eval_seen.update(layer.name for layer in layers)
                 return
             inputs = layers[0].module.layout.bind(module, args, kwargs)
             hidden = inputs[0]
@@ -53,29 +58,29 @@ class ExpertsCapture:
                 return None if tag is None or len(tag) < 2 else tag[:-1]
             if state == "first pass":
                 for layer in layers:
-                    self._first_pass(layer, tags_of, lead)
+                    capture.calls.first_pass(layer, tags_of, lead)
                 return
             if not output.requires_grad:
                 return
-            ctx = self._context()
+            ctx = capture.calls.context()
             replay = _in_backward()
-            found = None if replay else self._layout(first, ctx, tags_of, lead)
+            found = None if replay else capture.calls.layout(first, ctx, tags_of, lead)
             device = inputs[0].device.type  # the rows are recomputed as the forward ran them
             autocast = (device, torch.get_autocast_dtype(device),
                         torch.is_autocast_enabled(device))
             if not replay:
                 for layer in layers:
-                    self._captured(layer)
+                    capture.captured(layer)
 
             def hook(grad):
                 try:
-                    layout = self._replayed(first, ctx, lead) if replay else found
+                    layout = capture.calls.replayed(first, ctx, lead) if replay else found
                     with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):
-                        self._experts_rows(layers, module, inputs, grad, ctx, layout)
+                        self._commit_rows(layers, module, inputs, grad, ctx, layout)
                 except Exception as exc:  # noqa: BLE001 - named, never swallowed
                     raise _named_error(first, exc) from exc
                 for layer in layers:
-                    self._committed(layer, counted=not replay)
+                    capture.committed(layer, counted=not replay)
             output.register_hook(hook)
 
         return [(module, "forward", _guarded(first, experts_hook))]

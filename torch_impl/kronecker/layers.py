@@ -69,7 +69,7 @@ class LayerType:
 
     def row_tags(self, module, tag, lead):
         """Which token positions the rows' leading dimensions index, from ``tag``, the row
-        tracker's tag of the module's first input (:mod:`.row_provenance`; None: untagged).
+        tracker's tag of the module's first input (:mod:`.capture.row_provenance`; None: untagged).
         The default says it cannot tell (the rows then use no mask and are reported);
         a type whose rows keep its input's leading dimensions returns ``tag[:-1]``."""
         if tag is None:

@@ -24,7 +24,7 @@ through the model's operations to every layer's rows:
 
 The masks of one forward call of the model are kept in a :class:`CallContext`, made by the
 model's forward pre-hook and looked up again when a checkpoint recomputes part of that
-call during the backward pass (:mod:`.capture`).
+call during the backward pass (:mod:`.calls`).
 """
 import inspect
 

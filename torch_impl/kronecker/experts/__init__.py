@@ -1,0 +1,26 @@
+"""Fused mixture-of-experts modules as stacks of expert linear layers, one adapter per layout
+(kfac-pytorch's layer-adapter pattern; ``paper_notes/moe.md``):
+
+* :mod:`.layout` -- a projection as a layer (:class:`ExpertProjection`, its
+  :class:`FusedExpertsType`) and the adapter protocol (:class:`ExpertsLayout`);
+* :mod:`.transformers` -- transformers 5's ``use_experts_implementation`` classes;
+* :mod:`.torchtitan` -- torchtitan's ``GroupedExperts``.
+
+Discovery asks :func:`experts_layout` which adapter, if any, describes a module.
+"""
+from .layout import ExpertProjection, ExpertsLayout, FusedExpertsType, product_dtype
+from .torchtitan import TITAN
+from .transformers import TRANSFORMERS
+
+__all__ = ["ExpertProjection", "ExpertsLayout", "FusedExpertsType", "product_dtype",
+           "EXPERTS", "LAYOUTS", "experts_layout"]
+
+#: the layer type of every fused-experts projection
+EXPERTS = FusedExpertsType()
+#: the fused-experts layouts (:class:`ExpertsLayout` adapters), first match wins
+LAYOUTS = (TRANSFORMERS, TITAN)
+
+
+def experts_layout(module):
+    """The :class:`ExpertsLayout` of a fused experts ``module``, or None."""
+    return next((layout for layout in LAYOUTS if layout.matches(module)), None)
