@@ -6,12 +6,23 @@ keeps both as EMAs, and every ``inv_freq`` steps eigendecomposes them (O(d^3); M
 point is to avoid this). The update is the damped Kronecker solve
 V = (G (x) A + damping I)^{-1} G_hat, written with the eigenbases (K19). A KL-clip then
 caps the step's predicted change in the model's output distribution.
+
+A fused mixture-of-experts projection is E such layers (issue 31): ``expert_kfac_factors``
+gives each expert its own factors from its own rows (the rows are the problem's,
+``reference/common/moe.py``).
 """
 from dataclasses import dataclass
 
 import numpy as np
 
-from reference.mkor.vectors import _rows
+from reference.common.moe import expert_pairs
+
+
+def _rows(x):
+    """Flatten every leading dimension into rows: (..., d) -> (N, d) (K-FAC's own: the
+    baselines import nothing from ``reference/mkor``)."""
+    x = np.asarray(x, dtype=np.float64)
+    return x.reshape(-1, x.shape[-1])
 
 
 def kfac_factors(a_rows, g_rows, has_bias=False, rows_per_sample=1):
@@ -32,6 +43,19 @@ def kfac_factors(a_rows, g_rows, has_bias=False, rows_per_sample=1):
         a = np.concatenate([a, np.ones((rows, 1))], axis=1)
     g = samples * g
     return a.T @ a / rows, g.T @ g / samples
+
+
+def expert_kfac_factors(rows, has_bias=False, projection=None):
+    r"""Each expert's K-FAC factors (K19), ``kfac_factors`` on its own n_e rows as the 2-D
+    Linear layer (one row per sample):
+
+        A_e = (1/n_e) sum_i [a_i | 1][a_i | 1]^T,    G_e = n_e sum_i g_i g_i^T
+
+    (G_e = (1/n_e) sum_i (n_e g_i)(n_e g_i)^T: K3's per-sample gradients). None for an expert
+    with no rows.
+    """
+    return [None if a.shape[0] == 0 else kfac_factors(a, g, has_bias=has_bias)
+            for a, g in expert_pairs(rows, projection)]
 
 
 def ema(old, new, decay):

@@ -1,5 +1,7 @@
-"""The fused-experts oracle (``reference/mkor/experts.py``, issue 31) against its reference
-semantics: a twin of the model whose experts are ``nn.Linear`` layers (``support/moe_twin``).
+"""The fused-experts oracle (issue 31: the forward model and its rows in
+``reference/common/moe.py``, MKOR's per-expert equations in ``reference/mkor/experts.py``,
+K-FAC's in ``reference/baselines/kfac.py``) against its reference semantics: a twin of the
+model whose experts are ``nn.Linear`` layers (``support/moe_twin``).
 
 * (a) ``expert_rows`` from the fused model's weights, its router's choices (a forward
   pre-hook on the fused experts module) and the gradient of that module's output equals, in
@@ -29,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from reference.baselines.kfac import expert_kfac_factors
+from reference.common import moe
 from reference.mkor import experts as ox
 from theory_tests.support.moe_twin import (FAMILIES, TwinExperts, build_twin,
                                            fused_experts_modules, fused_view, tiny_moe_models,
@@ -126,7 +130,7 @@ def _numpy(t):
 def _oracle_rows(module, rec, token_mask, gate):
     up, down = ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
     bias = (lambda n: _numpy(getattr(module, n + "_bias"))) if module.has_bias else (lambda n: None)
-    return ox.expert_rows(
+    return moe.expert_rows(
         _numpy(rec["hidden"]), rec["index"].numpy(), _numpy(rec["weights"]),
         _numpy(rec["grad_out"]), _numpy(getattr(module, up)), _numpy(getattr(module, down)),
         b_gu=bias(up), b_d=bias(down), gate=gate, has_gate=module.has_gate,
@@ -135,7 +139,7 @@ def _oracle_rows(module, rec, token_mask, gate):
 
 def _gate_of(family, config):
     if family == "gpt_oss":
-        return ox.clamped_swiglu_gate(config.swiglu_alpha, config.swiglu_limit, "interleaved")
+        return moe.clamped_swiglu_gate(config.swiglu_alpha, config.swiglu_limit, "interleaved")
     assert config.hidden_act == "silu"
     return "silu_concatenated"
 
@@ -174,7 +178,7 @@ def test_expert_rows_are_the_twin_linears_rows(models, family, case):
         assert len(rows) == module.num_experts
         for e, r in enumerate(rows):
             n_e = r["tokens"].shape[0]
-            for projection, (a_key, g_key) in ox.PROJECTIONS.items():
+            for projection, (a_key, g_key) in moe.PROJECTIONS.items():
                 key = (name, e, projection)
                 if n_e == 0:
                     assert key not in t_rec
@@ -207,7 +211,7 @@ def test_rows_give_the_fused_gradients_and_k6_bias_vectors(models, family):
         rows = _oracle_rows(module, f_rec[name], mask, _gate_of(family, config))
         for projection, weight_name in (("up", "gate_up_proj"), ("down", "down_proj")):
             weight = getattr(module, weight_name)
-            grad_W, grad_b = ox.expert_weight_grads(rows, module.has_bias, module.is_transposed,
+            grad_W, grad_b = moe.expert_weight_grads(rows, module.has_bias, module.is_transposed,
                                                     projection=projection)
             worst = max(worst, _rel(grad_W, weight.grad.numpy()))
             if module.has_bias:
@@ -225,7 +229,7 @@ def test_routed_pairs_follow_the_eager_loops_slot_major_order():
     """Pairs of an expert: every slot-0 token (ascending), then slot 1's; sentinel ids
     (expert parallelism) belong to no expert."""
     index = np.array([[1, 0], [0, 2], [2, 1], [0, 4]])
-    pairs = ox.routed_pairs(index, 4)
+    pairs = moe.routed_pairs(index, 4)
     assert [t.tolist() for t, _ in pairs] == [[1, 3, 0], [0, 2], [2, 1], []]
     assert [s.tolist() for _, s in pairs] == [[0, 0, 1], [0, 1], [0, 1], []]
 
@@ -333,10 +337,10 @@ def test_other_declared_layouts_fused_twin_and_oracle_agree(layout):
     assert worst <= TOL, worst
     norm = None
     if fused.has_post_expert_norm:
-        norm = ox.rms_norm(_numpy(fused.post_expert_norm.weight), fused.post_expert_norm.eps)
+        norm = moe.rms_norm(_numpy(fused.post_expert_norm.weight), fused.post_expert_norm.eps)
     up = "gate_up_proj" if fused.has_gate else "up_proj"
     bias = (lambda n: _numpy(getattr(fused, n + "_bias"))) if fused.has_bias else (lambda n: None)
-    rows = ox.expert_rows(_numpy(hidden), top_i.numpy(), _numpy(top_w),
+    rows = moe.expert_rows(_numpy(hidden), top_i.numpy(), _numpy(top_w),
                           _numpy(cotangent), _numpy(getattr(fused, up)), _numpy(fused.down_proj),
                           b_gu=bias(up), b_d=bias("down_proj"),
                           gate="silu_concatenated" if fused.has_gate else "relu2",
@@ -345,7 +349,7 @@ def test_other_declared_layouts_fused_twin_and_oracle_agree(layout):
     assert rows[3]["a_gu"].shape[0] == 0 and ("", 3, "up") not in t_rec
     worst = 0.0
     for e, r in enumerate(rows[:3]):
-        for projection, (a_key, g_key) in ox.PROJECTIONS.items():
+        for projection, (a_key, g_key) in moe.PROJECTIONS.items():
             worst = max(worst, _rel(r[a_key], t_rec[("", e, projection)]["a"].numpy()),
                         _rel(r[g_key], t_rec[("", e, projection)]["g"].numpy()))
     assert worst <= TOL, worst
@@ -387,7 +391,7 @@ def test_expert_kfac_factors_are_the_einsum_of_each_experts_rows():
     rng = np.random.default_rng(1)
     counts = [3, 0, 7, 1]
     rows = [(rng.standard_normal((n, 5)), rng.standard_normal((n, 3))) for n in counts]
-    factors = ox.expert_kfac_factors(rows, has_bias=True)
+    factors = expert_kfac_factors(rows, has_bias=True)
     for (a, g), n, f in zip(rows, counts, factors):
         if n == 0:
             assert f is None

@@ -1,8 +1,9 @@
 """MKOR on fused experts (issue 31) against its two references: the oracle's per-expert
-equations (``reference/mkor/experts.py``) and the twin model whose experts are ``nn.Linear``
-modules with the same weights and routing (``theory_tests/support/moe_twin.py``), on three
-families of transformers 5: Mixtral (default layout), Qwen2-MoE (with its shared expert) and
-GPT-OSS (interleaved gate/up, transposed storage, biases, clamped SwiGLU)."""
+equations (``reference/mkor/experts.py``, on the rows of ``reference/common/moe.py``) and the
+twin model whose experts are ``nn.Linear`` modules with the same weights and routing
+(``theory_tests/support/moe_twin.py``), on three families of transformers 5: Mixtral (default
+layout), Qwen2-MoE (with its shared expert) and GPT-OSS (interleaved gate/up, transposed
+storage, biases, clamped SwiGLU)."""
 import types
 
 import numpy as np
@@ -14,7 +15,8 @@ from theory_tests.support.moe_twin import lm_batch as _batch
 
 pytest.importorskip("transformers")
 
-from reference.mkor.experts import expert_rank1_vectors, expert_rows  # noqa: E402
+from reference.common.moe import expert_rows  # noqa: E402
+from reference.mkor.experts import expert_rank1_vectors  # noqa: E402
 from torch_impl import KFAC, MKOR  # noqa: E402
 
 f64 = torch.float64

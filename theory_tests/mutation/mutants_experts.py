@@ -14,12 +14,14 @@ T_DIST, T_SC = "torch_impl/kronecker/exchange.py", "torch_impl/kronecker/capture
 T_K, T_KE = "torch_impl/baselines/kfac.py", "torch_impl/baselines/kfac_equations.py"
 T_RP = "torch_impl/kronecker/capture/row_provenance.py"
 T_EC = "torch_impl/kronecker/capture/experts.py"
-R_E = "reference/mkor/experts.py"
+R_E, R_MOE = "reference/mkor/experts.py", "reference/common/moe.py"
+R_K = "reference/baselines/kfac.py"
 
 EXPERTS_MUTANTS = {
     "MOE-MKOR": [
-        # the oracle: the routing weight left out of the gradient rows; an absent expert updated
-        Mutant(R_E, "        g_z = weights[tokens, slots][:, None] * grad_out[tokens]",
+        # the oracle: the routing weight left out of the gradient rows (the problem's rows);
+        # an absent expert updated (MKOR's per-expert update)
+        Mutant(R_MOE, "        g_z = weights[tokens, slots][:, None] * grad_out[tokens]",
                "        g_z = grad_out[tokens]"),
         Mutant(R_E, "        if not present[e]:\n", "        if False:\n"),
         # shared factors: every expert's rows summed into one statistic, given to all
@@ -67,7 +69,7 @@ EXPERTS_MUTANTS = {
     ],
     "MOE-KFAC": [
         # the oracle: G_e without its n_e (the mean-reduced loss's factor)
-        Mutant(R_E, "    return [None if a.shape[0] == 0 else kfac_factors(a, g, has_bias=has_bias)",
+        Mutant(R_K, "    return [None if a.shape[0] == 0 else kfac_factors(a, g, has_bias=has_bias)",
                "    return [None if a.shape[0] == 0 else kfac_factors(a, g / a.shape[0] ** 0.5, "
                "has_bias=has_bias)"),
         # shared factors: every expert's rows summed into expert 0's statistic

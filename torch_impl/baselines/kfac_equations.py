@@ -7,8 +7,8 @@ gradient V from the decompositions. The oracle writes them in ``reference/baseli
 A stack of E experts (a fused experts projection, ``layer.experts = E``) is E independent
 layers: its statistics, factors and decompositions carry a leading expert axis, each
 expert's computed from its own rows as for an ``nn.Linear`` fed them (the oracle:
-``reference/mkor/experts.py``), in batched operations, never a Python loop over the experts
-(but for the rare per-matrix retry of a failed decomposition)."""
+``expert_kfac_factors`` in ``reference/baselines/kfac.py``), in batched operations, never a
+Python loop over the experts (but for the rare per-matrix retry of a failed decomposition)."""
 import torch
 
 from ..kronecker.layers import LayerType

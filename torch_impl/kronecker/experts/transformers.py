@@ -1,5 +1,5 @@
 r"""Fused mixture-of-experts modules as stacks of linear layers (issue 31; oracle:
-``reference/mkor/experts.py``).
+``reference/common/moe.py``).
 
 transformers 5 stores a model's experts as 3-D parameters of one module, decorated with
 ``transformers.integrations.moe.use_experts_implementation``, which also declares the
