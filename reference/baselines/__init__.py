@@ -1,2 +1,3 @@
-"""The baselines in NumPy float64: torch.optim's first-order rules and LAMB (``first_order``,
-also MKOR's backbones) and K-FAC in its KAISA form, per expert too (``kfac``)."""
+"""The baseline MKOR is measured against in NumPy float64: K-FAC in its KAISA form, per
+expert too (``kfac``). The first-order rules (LAMB among them) are common to every family:
+``reference/common/first_order.py``."""

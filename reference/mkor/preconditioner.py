@@ -7,7 +7,7 @@ inverses L^{-1} (d_out x d_out) and R^{-1} (d_in' x d_in'), both starting at I, 
    then L^{-1} with g_bar, by rank-1 Sherman-Morrison steps (K6-K12);
 2. every step preconditions Delta = L^{-1} [grad_W | grad_b] R^{-1} (K13),
 3. rescales Delta to the gradient's norm (K14),
-4. and hands Delta to a first-order backbone (K15; ``reference.baselines.first_order``).
+4. and hands Delta to a first-order backbone (K15; ``reference.common.first_order``).
 
 The pieces live in ``vectors`` (rank-1 statistics), ``factors`` (factor inverses, the
 stabiliser, preconditioning and rescaling) and here (the whole step). Every public name
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reference.baselines import first_order
+from reference.common import first_order
 from reference.mkor.factors import (  # noqa: F401  (re-exported)
     FactorOptions, VARIANT_OPTIONS, ema_inverse_update, factor_update, max_entry_norm,
     needs_stabilising, precondition, printed_algorithm1_update, rank1_inverse_update,
@@ -67,7 +67,7 @@ class MKORConfig:
     first_update: str = None          # "sm" | "identity"
     rescale: str = None               # "joint" | "sum_of_norms"
     warmup_steps: int = 0
-    backbone: str = "sgd"             # a function name in reference.baselines.first_order
+    backbone: str = "sgd"             # a function name in reference.common.first_order
     backbone_kwargs: dict = field(default_factory=lambda: {"lr": 0.1})
 
     def __post_init__(self):

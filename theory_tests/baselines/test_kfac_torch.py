@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-from reference.baselines import first_order
+from reference.common import first_order
 from reference.baselines.kfac import KFACConfig, KFACReference, kfac_factors
 from torch_impl.baselines import KFAC
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference.baselines import first_order
+from reference.common import first_order
 from torch_impl.baselines import LAMB
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from reference.baselines import first_order
+from reference.common import first_order
 from reference.baselines.kfac import kfac_factors
 from reference.mkor.vectors import conv2d_rank1_vectors, linear_rank1_vectors, unfold2d
 from torch_impl.baselines import KFAC, LAMB

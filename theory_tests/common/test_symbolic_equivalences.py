@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from reference.baselines.first_order import lion as lion_ref, muon as muon_ref
+from reference.common.first_order import lion as lion_ref, muon as muon_ref
 from reference.mars.mars import MARSConfig, MARSReference
 from reference.mars.mars_equations import correction_coefficient, corrected_gradient, momentum
 from reference.mkor.preconditioner import ema_inverse_update, sherman_morrison
@@ -70,7 +70,7 @@ def test_nesterov_and_muon_momentum_are_mars_approx_with_gamma_one_minus_beta():
     """(M20), MT11, by induction, with gamma = 1 - beta.
 
     SGD-Nesterov (torch: buf_1 = g_1, buf_t = beta buf_{t-1} + g_t, direction g_t + beta buf_t):
-    m_t = (1 - beta)(g_t + beta buf_t). Muon's lerp buffer (``reference.baselines.first_order.muon``:
+    m_t = (1 - beta)(g_t + beta buf_t). Muon's lerp buffer (``reference.common.first_order.muon``:
     B_t = beta B_{t-1} + (1 - beta) g_t, direction (1 - beta) g_t + beta B_t): m_t equals that
     direction exactly. Both bases at t = 1 use m_0 = g_0 = 0."""
     gam = 1 - beta
@@ -148,7 +148,7 @@ def test_mars_lion_optimizer_is_lion(betas):
                                                   (0.5, (5, 5), 0.0, 0.1)])
 def test_mars_shampoo_approx_is_muon(beta_, shape, eps, wd):
     """MARS-Shampoo-approx (official M12: s NS(m/(1-beta), eps), Newton-Schulz, no clip) with
-    gamma = 1 - beta is Muon (``reference.baselines.first_order.muon``, Nesterov) with momentum beta and
+    gamma = 1 - beta is Muon (``reference.common.first_order.muon``, Nesterov) with momentum beta and
     Newton-Schulz eps' = (1 - beta) eps: m_t = Muon's direction (proved above) and
     NS(m/(1-beta), eps) = NS(m, (1-beta) eps) because X_0 = m / (||m||_F + (1-beta) eps).
 

@@ -250,14 +250,14 @@ def test_sweep_extends_an_edge():
 
 def test_float32_muon_is_torch_muon_with_a_float32_newton_schulz():
     """The figures' Muon is torch.optim.Muon with the Newton-Schulz swapped to float32 for
-    the step: three steps land on the float64 oracle (reference.baselines.first_order.muon) to float32
+    the step: three steps land on the float64 oracle (reference.common.first_order.muon) to float32
     precision, where torch's own bf16 iteration is ~1e-3 off, and torch's function is back in
     place afterwards."""
     import torch
     import torch.optim._muon as muon_module
 
     from figures.registry import Float32Muon
-    from reference.baselines.first_order import muon
+    from reference.common.first_order import muon
 
     original = muon_module._zeropower_via_newtonschulz
     rng = np.random.default_rng(0)

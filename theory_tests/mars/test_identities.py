@@ -8,7 +8,7 @@ bounded combination of past gradients); the measured worst cases are quoted next
 import numpy as np
 from hypothesis import given, strategies as st
 
-from reference.baselines.first_order import lion as lion_ref, sgd as sgd_ref
+from reference.common.first_order import lion as lion_ref, sgd as sgd_ref
 from reference.mars.mars_equations import correction_coefficient, corrected_gradient, momentum
 
 seeds = st.integers(0, 2**32 - 1)

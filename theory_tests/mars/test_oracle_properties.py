@@ -4,7 +4,7 @@
 compared with the oracle by the float64 differential tests.  A bug shared by both, or one in an
 oracle function the differential never reaches, would pass both, so each property that names
 oracle code in ``paper_notes/claims.md`` is checked here on the oracle directly, against
-``reference.baselines.first_order`` (an independent AdamW and Lion) or a closed form.  float64
+``reference.common.first_order`` (an independent AdamW and Lion) or a closed form.  float64
 throughout; tolerances are stated where a comparison is not exact.
 """
 import numpy as np
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from theory_tests.support.mars_property_helpers import P_STAR
-from reference.baselines.first_order import adamw as adamw_ref
+from reference.common.first_order import adamw as adamw_ref
 from reference.mars.mars import MARSConfig, MARSReference, mars_trajectory
 from reference.mars.mars_equations import (clip_global, clip_tensor, correction_coefficient,
                                           corrected_gradient, lion_step, shampoo_direction,

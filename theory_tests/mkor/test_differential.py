@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 from hypothesis import given, strategies as st
 
-from reference.baselines import first_order
+from reference.common import first_order
 from reference.mkor import preconditioner as R
 from reference.mkor.hybrid import LossRateSwitch as RefSwitch
 from torch_impl.mkor import MKOR, LossRateSwitch

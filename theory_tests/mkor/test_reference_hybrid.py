@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from reference.baselines import first_order
+from reference.common import first_order
 from reference.mkor.preconditioner import MKORConfig
 from reference.mkor.hybrid import LossRateSwitch, MKORHybridReference
 

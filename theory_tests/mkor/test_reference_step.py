@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from theory_tests.support.mkor_cases import no_cubic_linalg, seeds  # noqa: F401  (fixture)
-from reference.baselines import first_order
+from reference.common import first_order
 from reference.mkor.preconditioner import (MKORConfig, MKORReference, backbone_update, factor_update,
                             linear_rank1_vectors, precondition, rescale)
 

@@ -48,7 +48,7 @@ T_VX = "torch_impl/mkor/vector_exchange.py"
 _REFUSALS = '    def __reduce_ex__(self, protocol, /):\n        self._refuse_copy()\n\n    def __reduce__(self, /):\n        self._refuse_copy()\n\n    def __getstate__(self):\n        self._refuse_copy()\n\n    __copy__ = __deepcopy__ = _refuse_copy'
 T_KC = "torch_impl/baselines/kfac_conventions.py"
 T_KE = "torch_impl/baselines/kfac_equations.py"
-R_FO, T_LAMB = "reference/baselines/first_order.py", "torch_impl/baselines/lamb.py"
+R_FO, T_LAMB = "reference/common/first_order.py", "torch_impl/baselines/lamb.py"
 # The power-of-two rounding of a loss scale (exact for 2^k, wrong for any other scale).
 _POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
 

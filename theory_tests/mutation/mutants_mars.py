@@ -15,7 +15,7 @@ from .mutant import Mutant
 
 R_MARS, R_NS = "reference/mars/mars.py", "reference/common/matrix_functions.py"
 R_MARS_EQ, R_MM_EQ = "reference/mars/mars_equations.py", "reference/mars/mars_m_equations.py"
-R_MM, R_FO = "reference/mars/mars_m.py", "reference/baselines/first_order.py"
+R_MM, R_FO = "reference/mars/mars_m.py", "reference/common/first_order.py"
 R_VR, R_PB = "reference/mars/variance_reduction.py", "reference/common/problems.py"
 T_F, T_FN, T_OPS = "torch_impl/mars/mars_equations.py", "torch_impl/mars/functional.py", "torch_impl/common/tensor_ops.py"
 T_MARS, T_EX, T_NS = "torch_impl/mars/mars.py", "torch_impl/mars/exact_mode.py", "torch_impl/common/matrix_functions.py"

@@ -17,7 +17,8 @@ ORACLE_ONLY_MODULES = {
     # the theory behind the variance-reduction figure: simulations, not an optimizer
     "mars.variance_reduction",
     # torch.optim itself is the port of SGD/Adam/AdamW; LAMB's is torch_impl/baselines/lamb.py
-    "baselines.first_order",
+    # (the first-order rules are common: MKOR's backbones, K15, and MARS's reductions' oracles)
+    "common.first_order",
     # the test problems the oracles and figures run on
     "common.problems",
     # the fused mixture-of-experts forward model and its rows: a problem, not an equation. The

@@ -2,23 +2,14 @@
 imports from ``reference/baselines``, and none of ``reference/baselines`` from
 ``reference/mkor``. Every import of every file is read with ``ast``: absolute and relative,
 at module level or inside a function, and ``importlib.import_module`` / ``__import__`` of a
-literal name. What both families need is in ``reference/common`` (the MoE problem and its
-rows, the matrix functions).
-
-One arrow is listed, with its reason (``LISTED``), and must stay true while it is listed:
-MKOR hands its step to a first-order backbone (K15), a rule of
-``reference/baselines/first_order.py``, which MARS's reductions (M19, M20, MT1, MT10, MT11)
-take as their oracles too."""
+literal name. What both families need is in ``reference/common``: the MoE problem and its
+rows, the matrix functions, and the first-order rules (``first_order``: the backbone MKOR
+hands its step to, K15, and the oracles of MARS's reductions M19, M20, MT1, MT10, MT11)."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 APART = ("reference.mkor", "reference.baselines")
-LISTED = {
-    # K15: the backbone MKOR hands Delta to (backbone_update) is a first-order rule of the
-    # baselines, shared with MARS's reductions
-    "reference.mkor.preconditioner": {"reference.baselines", "reference.baselines.first_order"},
-}
 
 
 def imported(source, module, is_package):
@@ -50,16 +41,15 @@ def _family(name):
     return next((f for f in APART if name == f or name.startswith(f + ".")), None)
 
 
-def arrows(modules, listed=None):
+def arrows(modules):
     """["a -> b"] for every import of a module of one family (``modules``: {name: (source,
-    is_package)}) that names a module of the other, but those ``listed`` ({a: {b}})."""
-    listed = {} if listed is None else listed
+    is_package)}) that names a module of the other."""
     found = []
     for name, (source, is_package) in modules.items():
         own = _family(name)
         for target in imported(source, name, is_package):
             other = _family(target)
-            if own and other and other != own and target not in listed.get(name, ()):
+            if own and other and other != own:
                 found.append(f"{name} -> {target}")
     return sorted(found)
 
@@ -83,13 +73,9 @@ def test_no_import_between_the_oracles_families():
                                               "reference.mkor.experts", False)
     assert "reference.common.moe" in imported(modules["reference.baselines.kfac"][0],
                                               "reference.baselines.kfac", False)
-    assert not arrows(modules, LISTED), arrows(modules, LISTED)
-
-
-def test_the_listed_arrows_are_there():
-    """A listed arrow that is gone hides nothing: remove it from ``LISTED``."""
-    modules = _oracle_modules()
-    assert set(arrows(modules)) == {f"{a} -> {b}" for a, bs in LISTED.items() for b in bs}
+    assert "reference.common.first_order" in imported(
+        modules["reference.mkor.preconditioner"][0], "reference.mkor.preconditioner", False)
+    assert not arrows(modules), arrows(modules)
 
 
 def test_the_check_finds_an_arrow():
@@ -112,6 +98,3 @@ def test_the_check_finds_an_arrow():
         "reference.mkor.a -> reference.baselines",
         "reference.mkor.a -> reference.baselines.kfac",
     ]
-    # a listed arrow is let through, and only that one
-    listed = {"reference.mkor.a": {"reference.baselines", "reference.baselines.kfac"}}
-    assert arrows(modules, listed) == arrows(modules)[:3]

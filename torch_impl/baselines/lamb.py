@@ -10,7 +10,7 @@ r"""LAMB (You et al., ICLR 2020) as a ``torch.optim.Optimizer``: MKOR's BERT bac
     \end{aligned}
 
 per parameter tensor (the identity trust function), exactly as
-``reference.baselines.first_order.lamb``. The trust ratio uses ``torch.where``, so a step never
+``reference.common.first_order.lamb``. The trust ratio uses ``torch.where``, so a step never
 synchronises with the host.
 
 torch.optim conventions (as ``torch.optim.AdamW``):
