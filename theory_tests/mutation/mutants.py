@@ -74,14 +74,14 @@ MUTANTS = {
         Mutant(R_V, "            top, left = i * dh, j * dw", "            top, left = j * dh, i * dw"),
         Mutant(T_V, "    return total / rows_per_sample, n / rows_per_sample",
                "    return total, n / rows_per_sample",
-               tests=("theory_tests/mkor/test_torch_capture.py::test_conv_vectors_match_explicit_unfold",)),
+               tests=("theory_tests/kronecker/test_capture_hooks.py::test_conv_vectors_match_explicit_unfold",)),
         Mutant(T_LAYERS, "        return patches.transpose(1, 2)", "        return patches.flip(1).transpose(1, 2)",
-               tests=("theory_tests/mkor/test_torch_capture.py::test_conv_vectors_match_explicit_unfold",)),
+               tests=("theory_tests/kronecker/test_capture_hooks.py::test_conv_vectors_match_explicit_unfold",)),
     ],
     "K5": [
         Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)"),
         Mutant(T_W, "            self._step_scale = scale\n", "            self._step_scale = 1.0\n",
-               tests=("theory_tests/mkor/test_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
+               tests=("theory_tests/kronecker/test_grad_scaler.py::test_grad_scaler_matches_unscaled_loop_bitwise",)),
         # Shared by MKOR and K-FAC: both forget the loss scale in their statistics.
         Mutant(T_P, "g_sum.to(cd) / g_div / scale)", "g_sum.to(cd) / g_div)",
                also=((T_K, "s_sum * samples / scale / scale, present)", "s_sum * samples, present)"),)),
@@ -270,7 +270,7 @@ MUTANTS = {
         Mutant(T_V, "    return (_with_one(total, n) if has_bias else total), n\n\n\ndef linear_grad_sum",
                "    return (_with_one(total, n + 1) if has_bias else total), n\n\n\ndef linear_grad_sum"),
         Mutant(T_V, "            else n.reshape(1).to(total.dtype))", "            else n.reshape(1).to(total.dtype) + 1)",
-               tests=("theory_tests/mkor/test_preconditioner_semantics.py::test_masked_a_bar_is_the_mean_over_real_rows",)),
+               tests=("theory_tests/kronecker/test_semantics.py::test_masked_a_bar_is_the_mean_over_real_rows",)),
     ],
     "KT9": [
         Mutant(R_F, "    return delta[:, :-1].reshape(grad_W.shape), delta[:, -1].copy()",
@@ -283,7 +283,7 @@ MUTANTS = {
                "    return steps % inv_freq == 0 and steps >= warmup_steps"),
         Mutant(T_P, "            self._steps % o.inv_freq == 0 or self._steps < o.warmup_steps)",
                "            self._steps % o.inv_freq == 0)",
-               tests=("theory_tests/mkor/test_torch_capture.py::test_hooks_capture_only_in_train_mode_with_grad_and_on_schedule",)),
+               tests=("theory_tests/kronecker/test_capture_hooks.py::test_hooks_capture_only_in_train_mode_with_grad_and_on_schedule",)),
     ],
     "KT11": [
         Mutant(R_F, "    return symmetrise(sherman_morrison(blended, v))",
@@ -316,7 +316,7 @@ MUTANTS = {
     ],
     "PORT-LAYERS": [
         Mutant(T_LAYERS, "        return weight_like.T\n", "        return weight_like.T.flip(0)\n",
-               tests=("theory_tests/mkor/test_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
+               tests=("theory_tests/kronecker/test_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
         Mutant(T_D, "self.has_bias = module.bias is not None and module.bias.requires_grad",
                "self.has_bias = module.bias is not None"),
     ],
@@ -352,7 +352,7 @@ MUTANTS = {
         # mode and compiles nothing.
         Mutant(T_TM, "        if self.in_forward:\n            self.tracker.enter()",
                "        if True:\n            self.tracker.enter()",
-               tests=("theory_tests/mkor/test_compile_routing.py::test_compiled_equals_eager_and_breaks_only_around_the_model",)),
+               tests=("theory_tests/kronecker/test_compile_routing.py::test_compiled_equals_eager_and_breaks_only_around_the_model",)),
         # A copy of the model keeps a route to the original's capture.
         Mutant(T_EC, "        return _unrouted, (self.forward,)",
                "        return EagerCaptureSteps, (self.capture, self.forward)"),
@@ -388,20 +388,20 @@ MUTANTS = {
         # A mask passed by position is not bound to the signature.
         Mutant(T_TM, "        mask = _two_d(values.get(self.mask_kwarg))\n        src = None",
                "        mask = _two_d(kwargs.get(self.mask_kwarg))\n        src = None",
-               tests=("theory_tests/mkor/test_capture_masks.py::test_a_mask_passed_by_position_is_a_mask",)),
+               tests=("theory_tests/kronecker/test_capture_masks.py::test_a_mask_passed_by_position_is_a_mask",)),
         # Masks enter only at the top-level call (a wrapper's inner model reads none).
         Mutant(T_TM, "            if mask_kwarg in signature.parameters or module is model:",
                "            if module is model:",
-               tests=("theory_tests/mkor/test_capture_masks.py::test_a_wrapper_fed_a_dict_batch_reads_the_mask_where_it_enters_the_inner_model",)),
+               tests=("theory_tests/kronecker/test_capture_masks.py::test_a_wrapper_fed_a_dict_batch_reads_the_mask_where_it_enters_the_inner_model",)),
         # One batch axis per mask instead of per call: FSMT's decoder rows after
         # cross-attention combine two "batches" and are left untied.
         Mutant(T_RP, "    entries[batch_dim] = ((\"t\", batch_key(size[0]), 0, 0, 1, size[0]),)",
                "    entries[batch_dim] = ((\"t\", src, 0, 0, 1, size[0]),)",
-               tests=("theory_tests/mkor/test_capture_masks.py::test_fsmt_layers_are_sequence_first_and_its_head_batch_first",)),
+               tests=("theory_tests/kronecker/test_capture_masks.py::test_fsmt_layers_are_sequence_first_and_its_head_batch_first",)),
         # torch's recurrent layers' documented layout not applied (GRU's loop loses it).
         Mutant(T_CALLS, "                ctx.tracker.set_tag(out, tuple(tag[:-1]) + (None,))",
                "                pass",
-               tests=("theory_tests/mkor/test_capture_masks.py::test_recurrent_layers_keep_their_rows_layout",)),
+               tests=("theory_tests/kronecker/test_capture_masks.py::test_recurrent_layers_keep_their_rows_layout",)),
         # embedding: the looked-up rows lose the indices' positions.
         Mutant(T_RP, "    return (tuple(indices) if indices is not None else (None,) * args[1].dim()) + (None,)",
                "    return (None,) * args[1].dim() + (None,)"),

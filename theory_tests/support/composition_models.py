@@ -64,7 +64,7 @@ NOT_APPLICABLE = {
 #: compounds a few tens of them (~1e-12 per step). Three preconditioned steps may amplify
 #: that by the factors' conditioning (taken as ~10; the measured cells stay below 2e-11):
 #: ~1e-11, so 1e-10 leaves a 10x margin -- the bound
-#: mkor/test_hf_models.py uses for the same reason.
+#: kronecker/test_hf_models.py uses for the same reason.
 REORDER_TOL = 1e-10
 
 LENGTHS = [8, 5, 3, 6]       # real tokens per row of a padded (encoder) batch of 4

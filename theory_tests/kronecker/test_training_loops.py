@@ -3,7 +3,7 @@ ResNet, bf16 autocast and checkpoints through torch.save / torch.load(weights_on
 
 Every model is a tiny transformers model built offline from a config (random weights,
 dropout off, :mod:`hf_cases`). Where the claim is bit-identity the tests use
-``torch.equal``. GradScaler: ``mkor/test_grad_scaler.py``.
+``torch.equal``. GradScaler: ``kronecker/test_grad_scaler.py``.
 """
 import io
 import warnings

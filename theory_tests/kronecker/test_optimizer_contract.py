@@ -1,12 +1,12 @@
 """MKOR and K-FAC as torch.optim.Optimizers: the backbone's param groups and state, schedulers,
-the combined state_dict and its hooks (the real-library loops are in mkor/test_training_loops.py
-and mkor/test_grad_scaler.py)."""
+the combined state_dict and its hooks (the real-library loops are in kronecker/test_training_loops.py
+and kronecker/test_grad_scaler.py)."""
 import warnings
 
 import pytest
 import torch
 
-from theory_tests.mkor.test_preconditioner_semantics import KINDS, _make, _mlp, _step
+from theory_tests.kronecker.test_semantics import KINDS, _make, _mlp, _step
 
 # -- optimizer semantics ---------------------------------------------------------------------
 @pytest.mark.parametrize("cls", KINDS)
