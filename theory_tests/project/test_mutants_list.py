@@ -27,3 +27,15 @@ def test_each_mutant_still_applies(row, index, mutant):
         assert text.count(old) == 1, f"{row}#{index} {path}: the text occurs {text.count(old)} times"
         assert new != old
     assert mutant.equivalent is None or len(mutant.equivalent) > 10
+
+
+def test_each_mutants_own_tests_exist():
+    """A mutant that names its own tests (``tests=``) names test functions that are there: a
+    moved or renamed test would make the harness report an error instead of a kill (with a
+    parametrised test's id, its base name)."""
+    from theory_tests.project.test_claims_index import check_test_target
+    problems = [f"{row}#{index}: {error}" for row, index, mutant in ALL for target in mutant.tests
+                if (error := check_test_target(target.split("[")[0]))]
+    assert sum(len(m.tests) for _, _, m in ALL) > 20  # the check has targets to check
+    assert not problems, problems
+    assert check_test_target("theory_tests/mkor/test_torch_capture.py::test_x") is not None
