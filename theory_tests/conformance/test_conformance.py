@@ -7,7 +7,7 @@ project's.  Each test function is one behaviour, parametrized over the cases of
 The references -- ``adamw_reference`` for the first-order optimizers, ``sgd_reference`` (the
 backbone alone) for MKOR and K-FAC -- run in the same tests, so every assertion is shown to hold
 for torch's own optimizer; where torch does otherwise the case is left out and the reason is in
-the registry and in paper_notes/conformance.md (the table there is ``applicability_table()``).
+the registry and in theory_tests/conformance/README.md (the table there is ``applicability_table()``).
 
 Everything runs on TinyNet (30 scalars in 5 tensors) for 2-4 steps, in float64 and again with bf16
 and fp16 parameters (``case_dtypes_for``: ids ``<case>``, ``<case>-bf16``, ``<case>-fp16``), the same
@@ -834,7 +834,7 @@ def test_torch_flag_on_is_refused_with_value_error_naming_it(case, flag):
 
 
 def test_notes_table_is_the_registry():
-    """paper_notes/conformance.md shows ``applicability_table()``: the table cannot drift from
+    """theory_tests/conformance/README.md shows ``applicability_table()``: the table cannot drift from
     what the battery runs.  Regenerate with
     ``python -c "import theory_tests.support.conformance_cases as c;
     print(c.applicability_table())"``."""

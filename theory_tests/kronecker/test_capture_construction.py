@@ -1,4 +1,4 @@
-"""MKOR and K-FAC statistics that are right by construction (paper_notes/capture.md).
+"""MKOR and K-FAC statistics that are right by construction (torch_impl/kronecker/capture/README.md).
 
 Each test compares a feature against the same run without it, or against statistics
 computed here from recorded inputs and output gradients (never through the capture code):

@@ -1,6 +1,6 @@
 """torchtitan's ``GroupedExperts`` under MKOR and K-FAC: three stacks of E expert linear layers
 whose rows are the bf16 rows its grouped mms multiplied (``torch_impl/kronecker/experts/torchtitan.py``,
-``paper_notes/moe.md``).
+``torch_impl/kronecker/experts/README.md``).
 
 The reference is a twin (``theory_tests/support/titan_twin.py``): the same tiny model with a
 fixed routing (one expert routed nothing) whose experts are E x 3 ``nn.Linear`` layers

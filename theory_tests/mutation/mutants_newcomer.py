@@ -10,7 +10,7 @@ copied, so the tests that read them, ``test_the_license_is_mit``,
 ``test_ci_runs_the_readme_commands``, fail on any copy and would kill every mutant)."""
 from .mutant import Mutant
 
-README, MKOR_README = "README.md", "torch_impl/mkor/README.md"
+README, MKOR_README = "README.md", "torch_impl/kronecker/README.md"
 FSDP2, PYPROJECT = "torch_impl/examples/fsdp2_train.py", "pyproject.toml"
 
 _R = "theory_tests/project/test_readme.py::"

@@ -1,6 +1,6 @@
 """Our MARS against pytorch_optimizer's ``MARS`` (4.1.0), loop and foreach paths, through the
 convention map ``theory_tests/support/peer_conventions.py::from_pytorch_optimizer_mars``
-(``paper_notes/peers.md``).
+(``theory_tests/peers/README.md``).
 
 The same lockstep as the timm tests (``_lockstep``: six steps, changing lr, weight decay and
 weight_decay_1d on, lr_1d set, default betas and betas_1d, which differ, so the eps map needs

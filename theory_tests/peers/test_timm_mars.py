@@ -1,5 +1,5 @@
 """Our MARS against timm's ``Mars`` (timm 1.0.31) through the convention map
-``theory_tests/support/peer_conventions.py::from_timm_mars`` (``paper_notes/peers.md``).
+``theory_tests/support/peer_conventions.py::from_timm_mars`` (``theory_tests/peers/README.md``).
 
 A small model with a 3-D Conv1d kernel, a 2-D Linear weight, 1-D biases and a 0-D scale; six
 steps under a changing lr, weight decay on, ``lr_1d_factor`` and ``betas_1d`` set; both

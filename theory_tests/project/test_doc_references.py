@@ -2,8 +2,8 @@
 item 4: ``torch_impl/mars/__init__.py`` documented ``torch_impl.functional``, which does not
 import).
 
-A reference ``torch_impl.a.b.C`` in a page (README, paper_notes, figures, the library's own
-README pages) or in a docstring or comment of ``torch_impl/`` / ``figures/`` resolves when its
+A reference ``torch_impl.a.b.C`` in a page (README, paper_notes, figures, the library's and the
+tests' own README pages) or in a docstring or comment of ``torch_impl/`` / ``figures/`` resolves when its
 modules import by the dotted path written and the rest are attributes; a module reached as an
 attribute only (``torch_impl.functional``, an attribute of ``torch_impl`` but not an importable
 ``torch_impl.functional``) does not count, since ``import torch_impl.functional`` fails.
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = ["README.md", "paper_notes/*.md", "figures/**/*.md", "torch_impl/**/*.md",
-         "torch_impl/**/*.py", "figures/**/*.py"]
+         "theory_tests/**/*.md", "torch_impl/**/*.py", "figures/**/*.py"]
 REFERENCE_RE = re.compile(r"(?<![\w/.:])((?:torch_impl|reference)(?:\.\w+)+)")
 
 

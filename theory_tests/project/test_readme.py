@@ -27,8 +27,8 @@ except ModuleNotFoundError:  # Python 3.10: the parser setuptools brings
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 # The pages the README hands its measurements and longer how-tos to (issue 22, item 3).
-PAGES = ("figures/README.md", "figures/bench/README.md", "torch_impl/mkor/README.md",
-         "paper_notes/results.md", "paper_notes/torchtitan.md")
+PAGES = ("figures/README.md", "figures/bench/README.md", "torch_impl/kronecker/README.md",
+         "paper_notes/results.md", "torch_impl/integrations/README.md")
 MAX_README_LINES = 250
 # The comment a block that runs from the clone's root carries (on any of its lines), and the
 # packages it may then import that an install does not bring.

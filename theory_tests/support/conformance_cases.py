@@ -71,7 +71,7 @@ def loss_of(model, t):
 
 # The behaviours of the battery, one test function (or a pair) each; a case takes part in every
 # behaviour that its ``skips`` does not name.  Keys are used in ``skips`` and in the table of
-# paper_notes/conformance.md (``applicability_table``).
+# theory_tests/conformance/README.md (``applicability_table``).
 BEHAVIOURS = {
     "construct": "1. construction: parameter list, named_parameters, per-group dicts, "
                  "add_param_group",
@@ -432,7 +432,7 @@ def case_dtypes_for(behaviour):
 
 
 def applicability_table():
-    """The behaviour x case table of paper_notes/conformance.md (Markdown): "✓" where the case
+    """The behaviour x case table of theory_tests/conformance/README.md (Markdown): "✓" where the case
     runs the behaviour's test ("✓ slow": under ``-m slow``; "✓ [n]": with the documented
     difference n), else "N/A [n]" with n the reason (``WHY``, or the case's own words).  The
     dtypes column says what every case runs the behaviour in ("[n]": why not the others); a

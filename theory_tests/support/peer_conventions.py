@@ -6,7 +6,7 @@ takes the same steps, and the per-step group edits (``before_step`` / ``after_st
 given our optimizer) that some conventions need.  ``OurMARS.step(opt)`` runs
 ``before_step``, ``opt.step()``, ``after_step``.  What a map cannot express it refuses with a
 ``ValueError`` naming the keyword (or, per step, the tensor) rather than mapping it wrongly.
-``paper_notes/peers.md`` lists every difference, the map of each, and the measured agreement.
+``theory_tests/peers/README.md`` lists every difference, the map of each, and the measured agreement.
 
 Both peers route a tensor by ``ndim >= 2`` (or ``optimize_1d``) to the MARS rule; ours routes
 ``ndim == 2`` (or ``optimize_1d``), so 3-D and 4-D tensors (convolution kernels) would take
@@ -249,7 +249,7 @@ def from_pytorch_optimizer_mars(params, **kwargs):
             raise ValueError("mars_type='shampoo': pytorch_optimizer's MARS-Shampoo runs its "
                              "own bfloat16 Newton-Schulz (normalised after the cast, by "
                              "max(norm, eps)); torch_impl.MARS cannot take the same steps, "
-                             "so the map refuses it (paper_notes/peers.md)")
+                             "so the map refuses it (theory_tests/peers/README.md)")
         if h["mars_type"] not in ("adamw", "lion"):
             raise ValueError(f"mars_type={h['mars_type']!r}: not a pytorch_optimizer MARS type")
         _refuse("weight_decouple", h["weight_decouple"], True, peer, "coupled L2 decay")

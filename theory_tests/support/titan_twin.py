@@ -1,5 +1,5 @@
 """torchtitan's ``GroupedExperts`` in a tiny model with a fixed routing, and its twin with
-E x 3 ``nn.Linear`` experts computing the same bf16 products (``paper_notes/moe.md``).
+E x 3 ``nn.Linear`` experts computing the same bf16 products (``torch_impl/kronecker/experts/README.md``).
 
 :class:`Routed` feeds one ``GroupedExperts`` (torchtitan's own module) the rows of a fixed
 routing: a trainable ``nn.Linear`` in front (so the experts' input rows move with training),

@@ -10,7 +10,7 @@ and its command line overrides any field, e.g. ``--optimizer.implementation for-
 Needs torchtitan (0.3), which the library does not bring (``pip install torchtitan==0.3.0``
 with its requirements; the clone's README installs it with the test extras).
 
-What each optimizer takes from the config (``paper_notes/torchtitan.md``):
+What each optimizer takes from the config (``torch_impl/integrations/README.md``):
 
 * MARS, MARSM, LAMB: ``optimizer_kwargs`` are the optimizer's own keywords. MARS-M splits its
   parameters as Muon does: the transformer blocks' matrices take the MARS-M rule, the

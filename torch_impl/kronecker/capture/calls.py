@@ -1,5 +1,5 @@
 r"""Which model call a forward belongs to, and so which token mask its rows read: the call
-contexts and checkpoint regions of a :class:`~.capture.Capture` (``paper_notes/capture.md``).
+contexts and checkpoint regions of a :class:`~.capture.Capture` (``torch_impl/kronecker/capture/README.md``).
 
 **Calls.** A forward pre-hook on the model opens a :class:`~.token_masks.CallContext` for
 each model call (a stack of them: a model may call itself, e.g. a tower of a two-tower

@@ -4,7 +4,7 @@ Hooks (kfac-pytorch pattern) capture a layer's statistics only when the module i
 training mode, grad is enabled and the owner's schedule says so (K2). The rows come from
 the layer's :class:`~torch_impl.kronecker.layers.LayerType`; the owner's ``input_stat`` /
 ``grad_stat`` turn them into additive statistics, summed over every forward + backward until
-:meth:`Capture.reset`. ``paper_notes/capture.md`` gives the design with the cases it was
+:meth:`Capture.reset`. ``torch_impl/kronecker/capture/README.md`` gives the design with the cases it was
 proved on.
 
 :class:`Capture` pairs each forward call with its gradient and holds its collaborators:

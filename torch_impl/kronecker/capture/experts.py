@@ -3,7 +3,7 @@ experts module for all its projections (each layout through its adapter,
 :mod:`torch_impl.kronecker.experts`). The rows are recomputed from the call's inputs and the
 gradient of its output in that output's gradient hook, under the autocast state the forward
 ran in, and each routed pair reads its token's mask; pairing, recomputes, masks and the
-self-check are the capture's own (``paper_notes/moe.md``)."""
+self-check are the capture's own (``torch_impl/kronecker/experts/README.md``)."""
 import torch
 
 from .guards import _guarded, _in_backward, _named_error, _untracked

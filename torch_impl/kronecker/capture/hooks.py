@@ -4,7 +4,7 @@ schedule those hooks consult, held weakly (:func:`weak_schedule`).
 Each is a module-level callable, never a local closure, so the model stays picklable, and
 each copies (``copy.deepcopy``, ``copy.copy``, ``pickle``) as an :class:`InertHook`, which does
 nothing: a copy of the model (EMA, ``torch.optim.swa_utils.AveragedModel``,
-``torch.save(model)``) never reaches the original's statistics (``paper_notes/capture.md``).
+``torch.save(model)``) never reaches the original's statistics (``torch_impl/kronecker/capture/README.md``).
 """
 import weakref
 

@@ -1,5 +1,5 @@
 """Fused mixture-of-experts modules as stacks of expert linear layers, one adapter per layout
-(kfac-pytorch's layer-adapter pattern; ``paper_notes/moe.md``):
+(kfac-pytorch's layer-adapter pattern; ``torch_impl/kronecker/experts/README.md``):
 
 * :mod:`.layout` -- a projection as a layer (:class:`ExpertProjection`, its
   :class:`FusedExpertsType`) and the adapter protocol (:class:`ExpertsLayout`);

@@ -1,5 +1,5 @@
 r"""torchtitan's ``GroupedExperts`` as three stacks of expert linear layers (the adapter of
-:mod:`.layout`; ``paper_notes/moe.md``).
+:mod:`.layout`; ``torch_impl/kronecker/experts/README.md``).
 
 ``torchtitan.models.common.moe.GroupedExperts`` holds ``w1_EFD`` (E, F, D), ``w2_EDF``
 (E, D, F) and ``w3_EFD`` (E, F, D); its forward takes the routed rows ``x_RD``, already sorted
