@@ -349,8 +349,8 @@ def _recompile_limit_hits():
 
 
 #: The compile column's schedule: statistics captured at steps 0 and 2, not at step 1, so
-#: the run has capture steps (the model's forward routed eagerly, torch_impl/mkor/
-#: eager_capture.py) and a step that runs the compiled graph.
+#: the run has capture steps (the model's forward routed eagerly, torch_impl/kronecker/
+#: capture/eager.py) and a step that runs the compiled graph.
 COMPILE_SCHEDULE = {"mkor": {"inv_freq": 2}, "kfac": {"inv_freq": 2, "factor_freq": 2}}
 
 

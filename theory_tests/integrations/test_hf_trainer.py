@@ -110,7 +110,7 @@ def test_factory_equals_hand_built_and_resumes_bitwise(kind, tmp_path):
     assert pre.param_groups[0]["lr"] == 0.0  # the linear schedule reached its end
     saved = torch.load(tmp_path / "factory" / f"checkpoint-{SAVE}" / "optimizer.pt",
                        weights_only=True)
-    assert _carries(saved, pre._state_key)  # whatever the layout (mkor/wrapper.py)
+    assert _carries(saved, pre._state_key)  # whatever the layout (kronecker/optimizer.py)
     resumed_model, resumed = _train(kind, tmp_path / "resumed", "factory",
                                     resume=str(tmp_path / "factory" / f"checkpoint-{SAVE}"))
     assert resumed.steps == STEPS
