@@ -69,7 +69,7 @@ def bench_factor_update(repeats, device, experts=8, shapes=((128, 64), (64, 64))
     from torch_impl.mkor.layer_state import initial_layer_state, update_layer_factors
     net = torch.nn.Linear(2, 2)
     with MKOR(net, torch.optim.SGD(net.parameters(), lr=0.1)) as mkor:
-        options = mkor.options
+        rule = mkor.options.factor_rule  # what a factor update reads (K8-K12)
     g = torch.Generator().manual_seed(1)
     out = {}
     for d_out, d_in in shapes:
@@ -78,15 +78,15 @@ def bench_factor_update(repeats, device, experts=8, shapes=((128, 64), (64, 64))
             return types.SimpleNamespace(experts=stack, d_out=d_out, d_in=d_in,
                                          identity_L=False, identity_R=False,
                                          module=types.SimpleNamespace(weight=weight))
-        stacked = initial_layer_state(layer(experts), options.factor_dtype, device)
-        singles = [initial_layer_state(layer(None), options.factor_dtype, device)
+        stacked = initial_layer_state(layer(experts), rule.factor_dtype, device)
+        singles = [initial_layer_state(layer(None), rule.factor_dtype, device)
                    for _ in range(experts)]
         a = torch.randn(experts, d_in, generator=g).to(device) * 0.1
         gv = torch.randn(experts, d_out, generator=g).to(device) * 0.1
         present = torch.ones(experts, dtype=torch.bool, device=device)
         times = interleaved({
-            "batched": lambda: update_layer_factors(stacked, a, gv, present, options),
-            "loop": lambda: [update_layer_factors(s, a[e], gv[e], present[e], options)
+            "batched": lambda: update_layer_factors(stacked, a, gv, present, rule),
+            "loop": lambda: [update_layer_factors(s, a[e], gv[e], present[e], rule)
                              for e, s in enumerate(singles)],
         }, repeats, device)
         out[(d_out, d_in)] = dict(times, ratio=times["batched"] / times["loop"])
