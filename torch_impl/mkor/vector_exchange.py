@@ -36,8 +36,6 @@ layer. K-FAC's factor all-reduce, packed the same way, holds sum_m (d_in'^2 + d_
 tells when a backward pass has reached every captured layer; the all-reduce is launched
 there, asynchronously, instead of in ``step()``.
 """
-import torch
-
 from ..kronecker.exchange import Packet, world_size
 
 __all__ = ["VectorExchange", "BackwardProgress"]

@@ -66,7 +66,6 @@ a :mod:`.hooks` callable whose copies are inert: a copy of the model never feeds
 original's statistics. (The preconditioner itself refuses to be copied: see
 :mod:`torch_impl.kronecker.optimizer`.)
 """
-import contextlib
 import warnings
 
 import torch
