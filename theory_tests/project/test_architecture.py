@@ -167,3 +167,29 @@ def test_the_mixin_check_finds_a_mixin():
     single = type("Single", (A, torch.optim.Optimizer), {"__module__": "torch_impl.z"})
     assert project_bases(mixed) == [A, B]
     assert project_bases(single) == [A]
+
+
+# The names ``torch_impl.mkor`` exported before the engine moved out (ff181c3), every one still
+# importable from there, the engine's being the engine's own objects.
+MKOR_PUBLIC_BEFORE = [
+    "MKOR", "LossRateSwitch", "MKOROptions", "discover", "Discovery", "Layer",
+    "DEFAULT_MAX_FACTOR_DIM", "LayerType", "LinearType", "Conv2dType", "HFConv1DType",
+    "register_layer_type", "unregister_layer_type", "layer_types", "layer_type_for",
+    "sherman_morrison", "ema_inverse_update", "released_inverse_update",
+    "rank1_inverse_update", "max_entry_norm", "needs_stabilising", "stabilise",
+    "reset_factor", "symmetrise", "factor_update", "precondition", "rescale",
+    "linear_rank1_vectors", "conv2d_rank1_vectors", "unfold2d",
+]
+
+
+def test_every_public_import_that_worked_still_works():
+    import torch_impl.kronecker as kronecker
+    import torch_impl.mkor as mkor
+    assert set(MKOR_PUBLIC_BEFORE) <= set(mkor.__all__)
+    for name in MKOR_PUBLIC_BEFORE:
+        assert getattr(mkor, name) is not None
+    for name in ("LayerType", "register_layer_type", "discover", "Layer", "Discovery"):
+        assert getattr(mkor, name) is getattr(kronecker, name)
+    for name in torch_impl.__all__:  # ``from torch_impl import ...``
+        assert getattr(torch_impl, name) is not None
+    assert {"MKOR", "KFAC", "LAMB", "MARS", "MARSM", "MKOROptions"} <= set(torch_impl.__all__)

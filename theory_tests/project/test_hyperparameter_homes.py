@@ -59,6 +59,56 @@ def test_every_mkor_keyword_reaches_its_option():
     assert mkor.options.as_dict() == chosen
 
 
+def test_each_consumer_reads_its_options_under_their_names():
+    """Options by consumer (issue 44): each part of MKOR receives a small frozen record of what
+    it reads, the constructor's values under the constructor's names (a field swapped or
+    dropped on the way from the constructor to a record fails here), and MKOR's parts hold
+    those records."""
+    chosen = dict(inv_freq=3, stat_decay=0.7, variant="paper", zeta=0.6, threshold=5.0,
+                  stabilizer_norm="max_entry", stabilizer_timing="deferred",
+                  stabilizer_reset="identity", stabilizer_coupling="coupled",
+                  first_update="identity", rescale="sum_of_norms", factor_dtype=torch.float64,
+                  average="double", comm_dtype=torch.bfloat16, precondition_dtype=torch.float32,
+                  hybrid_switch="loss_rate", switch_window=7, switch_check_every=5,
+                  switch_threshold=0.25, switch_patience=6, switch_step=90)
+    model = _model()
+    mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), **chosen)
+    o = mkor.options
+    records = (o.factor_rule, o.precondition_rule, o.exchange, o.switch)
+    read = set()
+    for record in records:
+        names = [f.name for f in dataclasses.fields(record)]
+        assert len(names) <= 10, type(record).__name__  # small: what one consumer reads
+        for name in names:
+            expected = torch.float64 if name == "compute_dtype" else chosen[name]
+            assert getattr(record, name) == expected, (type(record).__name__, name)
+        read |= set(names)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, names[0], None)
+    assert read - {"compute_dtype"} == set(chosen) - {"inv_freq"}  # every option has a reader
+    assert mkor._factor_rule == o.factor_rule
+    assert mkor._precondition_rule == o.precondition_rule
+    assert mkor._hybrid.options == o.switch
+    assert (mkor._exchange.average, mkor._exchange.packet.dtype) == ("double", torch.bfloat16)
+
+
+def test_one_variant_table(monkeypatch):
+    """The paper / released columns are written once (``config.COLUMNS``): the options record
+    and ``factor_update``'s options left None both read it, so a changed column changes both."""
+    from torch_impl.mkor import config
+    J, v = torch.eye(3, dtype=torch.float64) * 3, torch.ones(3, dtype=torch.float64)
+
+    def update(**options):
+        return factors.factor_update(J, v, variant="paper", stat_decay=0.9, zeta=0.5,
+                                     threshold=2.0, **options)[0]
+    assert not torch.equal(update(), update(stabilizer_timing="deferred"))
+    monkeypatch.setitem(config.COLUMNS["paper"], "stabilizer_timing", "deferred")
+    assert torch.equal(update(), update(stabilizer_timing="deferred"))
+    model = _model()
+    mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert mkor.options.stabilizer_timing == mkor._factor_rule.stabilizer_timing == "deferred"
+
+
 def test_the_stabiliser_threshold_reaches_the_factor_update():
     """MKOR(threshold=...) is the epsilon of K12 the factor update tests: from J = 3 I, a
     threshold of 2 fires the stabiliser at the first update, one of 4 does not."""
