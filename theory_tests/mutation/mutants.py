@@ -45,6 +45,7 @@ T_SHARD = "torch_impl/common/sharding.py"
 T_ST = "torch_impl/kronecker/capture/statistics.py"
 T_CALLS = "torch_impl/kronecker/capture/calls.py"
 T_VX = "torch_impl/mkor/vector_exchange.py"
+_HOMES = "theory_tests/project/test_hyperparameter_homes.py::"
 _REFUSALS = '    def __reduce_ex__(self, protocol, /):\n        self._refuse_copy()\n\n    def __reduce__(self, /):\n        self._refuse_copy()\n\n    def __getstate__(self):\n        self._refuse_copy()\n\n    __copy__ = __deepcopy__ = _refuse_copy'
 T_KC = "torch_impl/baselines/kfac_conventions.py"
 T_KE = "torch_impl/baselines/kfac_equations.py"
@@ -313,6 +314,26 @@ MUTANTS = {
     "P-MKOR-convergence": [
         Mutant(T_L, "    ok_a, fired_a = update(\"R_inv\", R, a_bar, s[\"updates_a\"] == 0, flag_a)",
                "    ok_a, fired_a = update(\"R_inv\", R, a_bar * 0, s[\"updates_a\"] == 0, flag_a)"),
+    ],
+    "PORT-HYPERPARAMETERS": [
+        # options by consumer: two fields of a record swapped, one replaced by a constant, the
+        # record built from another option; and a second variant table beside config.COLUMNS
+        Mutant("torch_impl/mkor/config.py",
+               "        return PreconditionRule(self.rescale, self.precondition_dtype, self.compute_dtype)",
+               "        return PreconditionRule(self.rescale, self.compute_dtype, self.precondition_dtype)",
+               tests=(_HOMES + "test_each_consumer_reads_its_options_under_their_names",)),
+        Mutant("torch_impl/mkor/config.py",
+               "        return ExchangeOptions(self.average, self.comm_dtype, self.compute_dtype)",
+               "        return ExchangeOptions(\"once\", self.comm_dtype, self.compute_dtype)",
+               tests=(_HOMES + "test_each_consumer_reads_its_options_under_their_names",)),
+        Mutant(T_P, "        self._factor_rule, self._precondition_rule = o.factor_rule, o.precondition_rule",
+               "        self._factor_rule, self._precondition_rule = o.factor_rule, o.factor_rule",
+               tests=(_HOMES + "test_each_consumer_reads_its_options_under_their_names",)),
+        Mutant(T_F, "    column = COLUMNS.get(variant)\n",
+               "    column = {\"paper\": dict(stabilizer_timing=\"before_sm\", stabilizer_reset=\"blend\", "
+               "first_update=\"sm\"), \"released\": dict(stabilizer_timing=\"deferred\", "
+               "stabilizer_reset=\"identity\", first_update=\"identity\")}.get(variant)\n",
+               tests=(_HOMES + "test_one_variant_table",)),
     ],
     "PORT-LAYERS": [
         Mutant(T_LAYERS, "        return weight_like.T\n", "        return weight_like.T.flip(0)\n",
