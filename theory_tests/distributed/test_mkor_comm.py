@@ -182,6 +182,42 @@ def _stale_overlap(rank, world):
     return out
 
 
+class _Checkpointed(nn.Module):
+    """A reentrant-checkpointed first layer, then a plain one: the backward reaches ``last``
+    (its statistics complete) before it recomputes ``first``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 5)
+        self.last = nn.Linear(5, 3)
+        self.double()
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.first(t)), x,
+                                              use_reentrant=True)
+        return self.last(h)
+
+
+def _checkpoint_overlap(rank, world):
+    """comm_overlap launches when ``last``'s statistics complete, before the recompute commits
+    ``first``'s: that launch is stale at the step and is discarded for a full one, so the run
+    equals the non-overlapped one."""
+    out = {}
+    for overlap in (False, True):
+        model = _Checkpointed()
+        mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=1,
+                    factor_dtype="float64", comm_overlap=overlap)
+        for t in range(3):
+            x, y = _branchy_batch(t, rank)
+            Fn.mse_loss(model(x.requires_grad_()), y).backward()
+            mkor.step()
+            mkor.zero_grad()
+        out[overlap] = {"factors": mkor.inverse_factors(), "bytes": mkor.communicated_bytes,
+                        "payload": mkor.payload_bytes}
+    return out
+
+
 def _overflow(rank, world):
     """float16 wire: a g_bar beyond 65504 becomes inf, and the update is skipped."""
     torch.manual_seed(0)
@@ -210,6 +246,7 @@ def _hybrid(rank, world):
 def _comm_job(rank, world):
     return {"precision": _reduced_precision(rank, world),
             "partial": _partial_capture(rank, world), "stale": _stale_overlap(rank, world),
+            "checkpoint": _checkpoint_overlap(rank, world),
             "overflow": _overflow(rank, world), "hybrid": _hybrid(rank, world)}
 
 
@@ -290,6 +327,20 @@ def test_a_stale_overlapped_launch_is_discarded(comm_ranks):
         p = overlap["payload"]
         assert overlap["seen"] == [p, 2 * p, 3 * p, 4 * p, 5 * p, 6 * p]
         assert plain["seen"] == [0, 0, p, p, 2 * p, 2 * p]
+
+
+def test_a_launch_before_a_checkpoints_recompute_is_discarded(comm_ranks):
+    """Reentrant checkpointing commits the recomputed layer's statistics after the overlapped
+    launch: every step launches twice (the stale early buffer, then the whole one), and the
+    factors are the non-overlapped run's bit for bit."""
+    for res in comm_ranks:
+        plain, overlap = res["checkpoint"][False], res["checkpoint"][True]
+        for name, pair in plain["factors"].items():
+            assert not torch.equal(pair[1], torch.eye(len(pair[1]), dtype=torch.float64))
+            for a, b in zip(pair, overlap["factors"][name]):
+                assert torch.equal(a, b)
+        p = overlap["payload"]
+        assert (plain["bytes"], overlap["bytes"]) == (3 * p, 6 * p)
 
 
 def test_mkor_h_switches_on_the_same_step_on_every_rank(comm_ranks):

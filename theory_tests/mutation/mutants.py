@@ -335,6 +335,14 @@ MUTANTS = {
                "stabilizer_reset=\"identity\", first_update=\"identity\")}.get(variant)\n",
                tests=(_HOMES + "test_one_variant_table",)),
     ],
+    "PORT-COMM-OVERLAP": [
+        # the backward never reported done: no early launch; commits not counted: a stale
+        # launch taken for the current statistics; the capture not telling its listener
+        Mutant(T_VX, "        if self.outstanding == 0:\n            self.on_backward_done()",
+               "        if False:\n            self.on_backward_done()"),
+        Mutant(T_VX, "        self.commits += 1\n", "        pass\n"),
+        Mutant(T_C, "            self.listener.captured(layer)", "            pass"),
+    ],
     "PORT-LAYERS": [
         Mutant(T_LAYERS, "        return weight_like.T\n", "        return weight_like.T.flip(0)\n",
                tests=("theory_tests/kronecker/test_hf_models.py::test_conv1d_preconditioned_gradient_is_the_formula",)),
