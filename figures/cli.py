@@ -18,6 +18,7 @@ import time
 
 from . import common as C
 from . import repro
+from .catalogue import FIGURES  # the figures' names, in summary.md's order
 from .summary import write_summary, write_tuned
 
 # The --help text: complete sentences, paragraphs kept as written (a test checks that none
@@ -55,9 +56,6 @@ QUICK_SECONDS = {"shakespeare_gpt": 338, "budget_scan": 65, "mnist1d_mlp": 57, "
 # Figures whose runs are trained in --jobs parts by parallel_figures (every run of theirs goes
 # through common.run_curves): the char-GPT alone would take longer than all the others.
 SPLIT = ("shakespeare_gpt",)
-FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
-           "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan",
-           "orthogonalisers")
 
 
 def parser():

@@ -6,7 +6,7 @@ matrices by rows (``Shard(0)``, FSDP2's layout: qkv 3d x d, proj d x d, fc 4d x 
 d x 4d per block, and a vocab x d head whose rows do not split evenly), and runs MARS-M
 steps (``functional.mars_m``, float32 Newton-Schulz) with ``orthogonalize_on="owner"`` and
 ``"every_rank"``. Per step and rank it reports the Newton-Schulz flops the rank ran, the bytes
-it received and the collectives it joined (``sharding.record_orthogonalisation``), and the
+it received and the collectives it joined (``recording.record_orthogonalisation``), and the
 step time (the slowest rank, median over steps). MARS-Shampoo uses the same exchange.
 Prints a Markdown table. Times on a machine with fewer cores than ranks are not
 comparable across rank counts; flops and bytes are exact.
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from figures.bench.forked_ranks import run_ranks
-from torch_impl.common import sharding
+from figures.bench.recording import record_orthogonalisation
 from torch_impl.mars import functional
 
 MODES = ("every_rank", "owner")
@@ -53,7 +53,7 @@ def _rank(rank, world, args):
             grads = [distribute_tensor(torch.randn(*f.shape, generator=g) * 0.01, mesh, [Shard(0)])
                      for f in fulls]
             dist.barrier()
-            with sharding.record_orthogonalisation() as record:
+            with record_orthogonalisation() as record:
                 start = time.perf_counter()
                 functional.mars_m(params, grads, bufs, lasts, [None] * n, [None] * n, counters,
                                   ["mars_m"] * n, lr=1e-3, weight_decay=0.1, momentum=0.95,

@@ -69,6 +69,8 @@ from torch.nn import functional as F
 from .. import budget_sweep as S
 from .. import common as C
 from .. import data, models
+from ..catalogue import FIGURES
+from ..summary import write_summary
 from .shakespeare_gpt import _ADAMW_BETAS, _OFFICIAL, _mars
 
 NAME = "budget_scan"
@@ -333,9 +335,6 @@ _VERDICT_MARK = " (paired 95 % t intervals, nats: "  # in every verdict line, in
 
 def redraw(path):
     """Recompute effects, verdict notes, PNG and summary.md from the saved JSON at ``path``."""
-    from ..cli import FIGURES
-    from ..summary import write_summary
-
     path = pathlib.Path(path)
     meta = json.loads(path.read_text())
     if meta.get("figure") != NAME:

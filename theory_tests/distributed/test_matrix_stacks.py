@@ -10,7 +10,7 @@ measured 2.2e-16), on 2 ranks (3 experts: shards of 2 and 1) and 3 ranks (one ea
 - sharded MARS-M (loop, foreach, owner and every-rank), MARS-Shampoo (Newton-Schulz, SVD),
   MARS-AdamW and MARS-Lion equal the unsharded run;
 - no collective in ``opt.step()`` (``CommDebugMode``), and each rank orthogonalised only its
-  local shard of each stack (``record_orthogonalisation``);
+  local shard of each stack (``figures.bench.recording.record_orthogonalisation``);
 - the control: the same stacks sharded on a matrix dim (``Shard(1)``) still equal the
   unsharded run, through the all-gather (``on_full_matrix``), and do communicate -- so the
   zero above is a measurement, not a counter that never counts.
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+from figures.bench.recording import record_orthogonalisation
 from theory_tests.support.distributed_harness import run
 from torch_impl import MARS, MARSM
 from torch_impl.common import sharding
@@ -102,7 +103,7 @@ def _job(rank, world):
                                 shard_placement_fn=lambda p, d=placement: Shard(d))
             opt = _optimizer(name, model.parameters())
             comm = CommDebugMode()
-            with sharding.record_orthogonalisation() as record:
+            with record_orthogonalisation() as record:
                 _train(model, opt, rank, world, around_step=comm)
             out[name, placement] = dict(
                 params=[p.full_tensor() for p in model.parameters()],

@@ -18,7 +18,8 @@ orthogonalisation on every rank. Checked here:
 - the LPT map (:func:`sharding.assign_owners`): deterministic, ties by parameter order,
   within Graham's 4/3 bound of the brute-force optimum; :func:`sharding.ns_flops` counts what
   ``newton_schulz`` multiplies (``FlopCounterMode``);
-- the measurement helper: what :func:`sharding.record_orthogonalisation` counts equals
+- the measurement helper: what :func:`recording.record_orthogonalisation` (the benchmarks'
+  recorder, ``figures/bench/recording.py``) counts equals
   :func:`sharding.exchange_bytes`'s prediction from the shapes, in both modes.
 """
 import collections
@@ -36,6 +37,7 @@ from torch_impl import MARS, MARSM
 from torch_impl.common import sharding
 from torch_impl.common.matrix_functions import newton_schulz
 
+from figures.bench.recording import record_orthogonalisation
 from theory_tests.support.distributed_harness import run
 
 STEPS = 3
@@ -129,7 +131,7 @@ def _exchange_cases(mesh, world):
         return M.cumsum(-2).cumsum(-1)
 
     out = {"local_rows": [tuple(s.to_local().shape) for s in sharded]}
-    with sharding.record_orthogonalisation() as record:
+    with record_orthogonalisation() as record:
         results = sharding.orthogonalize_on_owners(fn, sharded + [plain, replicated])
         single = sharding.orthogonalize_on_owners(lambda M: fn(M).float(), sharded[1:2],
                                                   out_dtype=torch.float32)
@@ -164,7 +166,7 @@ def _job(rank, world, runs):
         cls, options = _options(name)
         model = _sharded_model(mesh)
         opt = _optimizer(cls, model.parameters(), mode, options)
-        with sharding.record_orthogonalisation() as record:
+        with record_orthogonalisation() as record:
             _train(model, opt, rank, world)
         out[name, mode] = dict(params=[p.full_tensor() for p in model.parameters()],
                                record=record)

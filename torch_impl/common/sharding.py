@@ -39,11 +39,10 @@ Shards may be uneven or empty (``torch.chunk`` semantics, checked against each r
 shape), and a rank may own nothing. Like the all-gather, the exchange is a collective:
 every rank must call it with the same list of matrices (the same parameters with gradients).
 
-:func:`record_orthogonalisation` counts, on one rank, the matrices it orthogonalised and the
-bytes it sent and received, for either mode (``figures/bench/owner_orthogonalisation.py``).
+:data:`OBSERVERS` is where a measuring tool listens: it is told, on one rank, each whole
+matrix computed and each collective with its bytes, in either mode (the benchmarks' recorder,
+``figures/bench/recording.py``); the library keeps no counts of its own.
 """
-import contextlib
-import dataclasses
 import sys
 
 import torch
@@ -51,7 +50,7 @@ import torch
 __all__ = ["ORTHOGONALIZE_ON", "is_dtensor", "on_full_matrix", "holds_whole_matrices",
            "on_local_matrices", "on_matrices", "owner_eligible",
            "orthogonalize_on_owners", "orthogonalize_by_shape", "assign_owners", "ns_flops", "shard_sizes",
-           "exchange_bytes", "record_orthogonalisation", "OrthogonalisationRecord"]
+           "exchange_bytes", "OBSERVERS"]
 
 ORTHOGONALIZE_ON = ("owner", "every_rank")
 
@@ -105,8 +104,8 @@ def on_full_matrix(fn, M, *args, **kwargs):
     """``fn(M, ...)`` for a DTensor ``M`` (batched ``(..., A, B)`` allowed), computed on the
     whole matrix and returned with ``M``'s mesh and placements (Shard / Replicate)."""
     from torch.distributed.tensor import distribute_tensor
-    if _RECORDS:
-        _record_all_gather(M)
+    for observer in OBSERVERS:  # every-rank mode: M's all-gather, then f of the whole M
+        observer.all_gathered(M)
     full = fn(M.full_tensor(), *args, **kwargs)
     # src_data_rank=None: every rank already holds the same full result; just slice it.
     return distribute_tensor(full, M.device_mesh, M.placements, src_data_rank=None)
@@ -127,8 +126,8 @@ def on_local_matrices(fn, M, *args, **kwargs):
     the local shard, returned with ``M``'s mesh, placements and shape. No communication."""
     from torch.distributed.tensor import DTensor
     out = fn(M.to_local(), *args, **kwargs)
-    for record in _RECORDS:
-        record.computed.append(tuple(out.shape))
+    for observer in OBSERVERS:
+        observer.computed_on(tuple(out.shape))
     return DTensor.from_local(out, M.device_mesh, M.placements, run_check=False,
                               shape=M.shape, stride=_contiguous_stride(M.shape))
 
@@ -264,9 +263,8 @@ def _owner_exchange(fn, Ms, mesh, out_dtype):
                                f"{out.dtype} for a {layouts[j].shape} matrix, expected "
                                f"{out_dtypes[j]}")
         outs.append(out)
-        if _RECORDS:
-            for record in _RECORDS:
-                record.computed.append(layouts[j].shape)
+        for observer in OBSERVERS:
+            observer.computed_on(layouts[j].shape)
     del received
     # 3. every rank's piece of each result back from its owner
     back = _all_to_all(
@@ -300,11 +298,10 @@ def _all_to_all(send, receive, mesh, device):
     else:
         out = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
         dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=mesh.get_group())
-    if _RECORDS:
-        for record in _RECORDS:
-            record.collectives += world > 1
-            record.bytes_sent += sum(in_sizes) - in_sizes[rank]
-            record.bytes_received += sum(out_sizes) - out_sizes[rank]
+    if OBSERVERS:  # the sums only when someone listens
+        sent, received = sum(in_sizes) - in_sizes[rank], sum(out_sizes) - out_sizes[rank]
+        for observer in OBSERVERS:
+            observer.all_to_all(world > 1, sent, received)
     result, offset = [], 0
     for specs in receive:
         row = []
@@ -337,8 +334,8 @@ def exchange_bytes(shapes, world_size, itemsize=4, out_itemsize=None, steps=5):
     all-gather pads each shard to ceil(A/P) rows, so each rank receives (P-1) padded
     shards of every matrix and runs every Newton-Schulz. Owner: the owner receives the
     other ranks' shards (``itemsize``), every rank receives its shard of each result it does
-    not own (``out_itemsize``, default ``itemsize``); the owner runs it. Matches what
-    :func:`record_orthogonalisation` counts (``theory_tests/distributed/
+    not own (``out_itemsize``, default ``itemsize``); the owner runs it. Matches what the
+    benchmarks' recorder counts through :data:`OBSERVERS` (``theory_tests/distributed/
     test_owner_orthogonalisation.py``)."""
     out_itemsize = out_itemsize or itemsize
     shapes = [tuple(s) for s in shapes if s[0] * s[1]]
@@ -359,60 +356,16 @@ def exchange_bytes(shapes, world_size, itemsize=4, out_itemsize=None, steps=5):
     return {"owner": owner, "every_rank": every}
 
 
-@dataclasses.dataclass
-class OrthogonalisationRecord:
-    """What this rank did inside :func:`record_orthogonalisation`: ``computed``, the shapes
-    of the whole matrices it orthogonalised; ``bytes_sent`` / ``bytes_received``, bytes to
-    and from other ranks (the all-gather's padded shards in every-rank mode, the
-    ``all_to_all`` split sizes in owner mode); ``collectives``, how many it joined."""
-    computed: list = dataclasses.field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    collectives: int = 0
-
-    def flops(self, steps=5):
-        """Newton-Schulz flops of ``computed`` (:func:`ns_flops`; batch dims multiply)."""
-        total = 0
-        for shape in self.computed:
-            batch = 1
-            for s in shape[:-2]:
-                batch *= s
-            total += batch * ns_flops(shape[-2], shape[-1], steps=steps)
-        return total
-
-
-_RECORDS = []
-
-
-@contextlib.contextmanager
-def record_orthogonalisation():
-    """Count this rank's whole-matrix functions and their communication (both modes) while
-    the block runs; yields an :class:`OrthogonalisationRecord`. Costs nothing outside it."""
-    record = OrthogonalisationRecord()
-    _RECORDS.append(record)
-    try:
-        yield record
-    finally:
-        _RECORDS.remove(record)
-
-
-def _record_all_gather(M):
-    """Every-rank mode's cost for ``M``: DTensor's ``full_tensor`` all-gathers each sharded
-    mesh dimension with shards padded to ceil(n / P) (1-D meshes exactly; other layouts as
-    the whole tensor less the local shard)."""
-    from torch.distributed.tensor import Shard
-    itemsize = M.element_size()
-    if M.device_mesh.ndim == 1 and len(M.placements) == 1 and isinstance(M.placements[0], Shard):
-        world = M.device_mesh.size()
-        dim = M.placements[0].dim % M.ndim
-        chunk = -(-M.shape[dim] // world)
-        padded = M.numel() // M.shape[dim] * chunk * itemsize if M.shape[dim] else 0
-        moved, collectives = (world - 1) * padded, world > 1
-    else:
-        moved = (M.numel() - M.to_local().numel()) * itemsize
-        collectives = moved > 0
-    for record in _RECORDS:  # an all-gather: each rank sends what each other rank receives
-        record.computed.append(tuple(M.shape))
-        record.bytes_received += moved
-        record.bytes_sent += moved
-        record.collectives += collectives
+# The observers of the whole-matrix functions on this rank: objects a measuring tool appends
+# (and removes) for the time it measures, e.g. figures/bench/recording.py. The library calls
+# on each observer:
+#   all_gathered(M)    before the all-gather of the DTensor M and f of the whole matrix
+#                      (every-rank mode, on_full_matrix);
+#   computed_on(shape) after f of a whole matrix on its owner rank, or of a local stack of
+#                      whole matrices (on_local_matrices); ``shape`` a tuple;
+#   all_to_all(joined, sent, received)
+#                      after each owner-mode exchange: whether this rank joined a
+#                      collective (world > 1), the bytes it sent to and received from the
+#                      other ranks.
+# Empty (the default), each call site is a loop over nothing and no count is computed.
+OBSERVERS = []
