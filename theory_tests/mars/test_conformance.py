@@ -179,14 +179,14 @@ def test_functional_mars_and_mars_m_equal_the_optimizers():
     functional API, give the optimizers' iterates bit for bit (step() only gathers lists)."""
     from torch_impl.mars import functional
     from torch_impl import MARSM
-    from torch_impl.mars import mars_equations as F
-    from torch_impl.mars import mars_m_equations as M
+    from torch_impl.mars import mars_equations
+    from torch_impl.mars import mars_m_equations
     a = make_params(SHAPES, 4)
     b = clone_params(a)
     opt = MARS(a, lr=0.01, weight_decay=0.1)
     zeros = lambda: [torch.zeros_like(p) for p in b]  # noqa: E731
     m, v, last, steps = zeros(), zeros(), zeros(), [torch.tensor(0.0) for _ in b]
-    kinds = [F.route(p.shape, "mars-adamw", False) for p in b]
+    kinds = [mars_equations.route(p.shape, "mars-adamw", False) for p in b]
     hp = {k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
                                               "gamma", "lr_1d_factor", "betas_1d",
                                               "weight_decay_1d")}
@@ -194,14 +194,15 @@ def test_functional_mars_and_mars_m_equal_the_optimizers():
         g = _grads(t)
         feed(opt, a, g)
         with torch.no_grad():  # as torch.optim's functional forms, called inside no_grad
-            functional.mars(b, g, m, v, [None] * 3, [x if k != F.FALLBACK else None
-                                                      for x, k in zip(last, kinds)],
+            functional.mars(b, g, m, v, [None] * 3,
+                            [x if k != mars_equations.FALLBACK else None
+                             for x, k in zip(last, kinds)],
                             steps, kinds, foreach=False, **hp)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     c = make_params(SHAPES, 5)
     d = clone_params(c)
     opt_m = MARSM(c, lr=0.01)
-    kinds = [M.MATRIX if p.ndim == 2 else M.BACKUP for p in d]
+    kinds = [mars_m_equations.MATRIX if p.ndim == 2 else mars_m_equations.BACKUP for p in d]
     buf, last, m1, m2 = zeros(), zeros(), zeros(), zeros()
     steps = [torch.tensor(0.0) for _ in d]
     for t in range(3):

@@ -12,8 +12,8 @@ import torch
 from torch.optim.adamw import adamw
 
 from torch_impl.mars import functional
-from torch_impl.mars import mars_equations as F
-from torch_impl.mars import mars_m_equations as M
+from torch_impl.mars import mars_equations
+from torch_impl.mars import mars_m_equations
 
 F64 = torch.float64
 SHAPES = [(4, 3), (5, 2)]
@@ -27,17 +27,18 @@ def _tensors(seed, shapes=SHAPES):
     return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
 
-def _mars_lists(kinds=(F.ADAMW, F.ADAMW)):
+def _mars_lists(kinds=(mars_equations.ADAMW, mars_equations.ADAMW)):
     """params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, state_steps, kinds
     of a call after one step (non-zero state, so that a write anywhere shows)."""
     n = len(SHAPES)
     lists = [_tensors(1), _tensors(2), _tensors(3), [t.abs() for t in _tensors(4)], [None] * n,
              _tensors(5), [torch.tensor(1.0) for _ in range(n)], list(kinds)]
-    lists[3] = [v if k in (F.ADAMW, F.FALLBACK) else None for v, k in zip(lists[3], kinds)]
+    lists[3] = [v if k in (mars_equations.ADAMW, mars_equations.FALLBACK) else None
+                for v, k in zip(lists[3], kinds)]
     return lists
 
 
-def _mars_m_lists(kinds=(M.MATRIX, M.MATRIX)):
+def _mars_m_lists(kinds=(mars_m_equations.MATRIX, mars_m_equations.MATRIX)):
     n = len(SHAPES)
     return [_tensors(1), _tensors(2), _tensors(3), _tensors(4), _tensors(5),
             [t.abs() for t in _tensors(6)], [torch.tensor(1.0) for _ in range(n)], list(kinds)]
@@ -117,8 +118,9 @@ def test_mars_m_refuses_a_kind_that_names_no_route(kind, compiled):
 
 
 @pytest.mark.parametrize("kind, column, name", [
-    (F.ADAMW, 3, "exp_avg_sqs"), (F.FALLBACK, 3, "exp_avg_sqs"), (F.LION, 5, "last_grads"),
-    (F.SHAMPOO, 2, "exp_avgs"), (F.ADAMW, 1, "grads")])
+    (mars_equations.ADAMW, 3, "exp_avg_sqs"), (mars_equations.FALLBACK, 3, "exp_avg_sqs"),
+    (mars_equations.LION, 5, "last_grads"), (mars_equations.SHAMPOO, 2, "exp_avgs"),
+    (mars_equations.ADAMW, 1, "grads")])
 def test_mars_refuses_a_route_without_the_buffer_it_updates(kind, column, name):
     lists = _mars_lists((kind, kind))
     lists[column][0] = None
@@ -145,12 +147,12 @@ def test_a_misshapen_buffer_is_refused_before_anything_changes():
 
 
 def test_matrix_routes_refuse_a_tensor_that_is_not_a_matrix():
-    lists = _mars_lists((F.SHAMPOO, F.SHAMPOO))
+    lists = _mars_lists((mars_equations.SHAMPOO, mars_equations.SHAMPOO))
     for column in (0, 1, 2, 5):
         lists[column][0] = lists[column][0].flatten()
     with pytest.raises(ValueError, match=r"route 'shampoo' orthogonalises a matrix"):
         functional.mars(*lists, **MARS_HYPER)
-    lists = _mars_m_lists((M.EFFICIENT, M.MATRIX))
+    lists = _mars_m_lists((mars_m_equations.EFFICIENT, mars_m_equations.MATRIX))
     for column in (0, 1, 2, 3):
         lists[column][0] = lists[column][0].flatten()
     with pytest.raises(ValueError, match=r"route 'mars_m_efficient' orthogonalises a matrix"):
@@ -169,14 +171,16 @@ def test_a_step_counter_that_is_not_a_cpu_tensor_is_refused(counter):
 def test_valid_lists_still_step_every_route(foreach):
     """The checks let every well-formed call through: each route changes its parameter and
     advances its counter once."""
-    kinds = (F.ADAMW, F.LION, F.SHAMPOO, F.FALLBACK)
+    kinds = (mars_equations.ADAMW, mars_equations.LION, mars_equations.SHAMPOO,
+             mars_equations.FALLBACK)
     shapes = [(4, 3), (5, 2), (3, 3), (6,)]
     n = len(shapes)
     p, g = _tensors(1, shapes), _tensors(2, shapes)
     lists = [p, g, _tensors(3, shapes),
-             [t.abs() if k in (F.ADAMW, F.FALLBACK) else None
+             [t.abs() if k in (mars_equations.ADAMW, mars_equations.FALLBACK) else None
               for t, k in zip(_tensors(4, shapes), kinds)],
-             [None] * n, [t if k != F.FALLBACK else None for t, k in zip(_tensors(5, shapes), kinds)],
+             [None] * n, [t if k != mars_equations.FALLBACK else None
+                          for t, k in zip(_tensors(5, shapes), kinds)],
              [torch.tensor(1.0) for _ in range(n)], list(kinds)]
     before = [t.clone() for t in p]
     functional.mars(*lists, foreach=foreach, ns_dtype=F64, **MARS_HYPER)

@@ -90,11 +90,12 @@ def test_m16_direction_is_cast_before_it_is_normalised_and_stays_in_ns_dtype():
     """(M16) the authors' order: M is rounded to ``ns_dtype`` first (then transposed and
     normalised there), and O is returned in ``ns_dtype``: so O depends on M only through its
     bf16 rounding, bit for bit; MARS's Newton-Schulz normalises in M's dtype and rounds once."""
-    from torch_impl.mars import mars_m_equations as MF
+    from torch_impl.mars import mars_m_equations
     M = torch.tensor(np.random.default_rng(0).normal(size=(6, 4)))
-    o = MF.mars_m_direction(M, 5, torch.bfloat16)
+    o = mars_m_equations.mars_m_direction(M, 5, torch.bfloat16)
     assert o.dtype == torch.bfloat16 and o.shape == M.shape
-    assert torch.equal(o, MF.mars_m_direction(M.bfloat16().double(), 5, torch.bfloat16))
+    assert torch.equal(o, mars_m_equations.mars_m_direction(M.bfloat16().double(), 5,
+                                                            torch.bfloat16))
     assert torch.isfinite(o).all() and o.abs().max() > 0.1
 
 

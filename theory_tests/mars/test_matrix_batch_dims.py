@@ -36,7 +36,7 @@ from reference.mars.mars_m import MARSMConfig, MARSMReference
 from theory_tests.support.mars_property_helpers import F64, spy_on_scalar_reads
 from torch_impl import MARS, MARSM, functional
 from torch_impl.common.matrix_functions import newton_schulz, orthogonalize_svd
-from torch_impl.mars import mars_equations as F
+from torch_impl.mars import mars_equations
 
 # Stacks: tall matrices, wide matrices, a k = 2 stack (in their own group), and a 1-D tensor.
 TALL, WIDE, DEEP, BIAS = (4, 9, 5), (3, 4, 7), (2, 2, 3, 5), (6,)
@@ -378,10 +378,10 @@ def test_without_the_option_3d_under_auto_is_adamw_and_mars_m_refuses_it():
     with pytest.raises(ValueError, match=r"rule: 'mars_m' orthogonalizes matrices; got shapes "
                                          r"\[\(3, 4, 5\)\]"):
         MARSM([dict(params=_params((3, 4, 5)), rule="mars_m")])
-    assert F.route((3, 4, 5), "mars-shampoo", False) == F.FALLBACK
-    assert F.route((3, 4, 5), "mars-shampoo", False, 1) == F.SHAMPOO
-    assert F.route((3, 4, 5), "mars-adamw", False, 1) == F.ADAMW
-    assert F.route((5,), "mars-shampoo", True, 1) == F.ADAMW
+    assert mars_equations.route((3, 4, 5), "mars-shampoo", False) == mars_equations.FALLBACK
+    assert mars_equations.route((3, 4, 5), "mars-shampoo", False, 1) == mars_equations.SHAMPOO
+    assert mars_equations.route((3, 4, 5), "mars-adamw", False, 1) == mars_equations.ADAMW
+    assert mars_equations.route((5,), "mars-shampoo", True, 1) == mars_equations.ADAMW
 
 
 @pytest.mark.parametrize("value", [-1, 1.0, True, "1", None])

@@ -14,7 +14,7 @@ from theory_tests.support.mars_property_helpers import assert_ulp_close, recover
     snapshot, steps
 from reference.mars.mars_equations import correction_coefficient
 from torch_impl import MARS
-from torch_impl.mars import mars_equations as F
+from torch_impl.mars import mars_equations
 from torch_impl.common.tensor_ops import FOREACH, SINGLE
 
 seeds = st.integers(0, 2**32 - 1)
@@ -116,10 +116,10 @@ def test_mt3_functional_clip_bound_and_identity_below_one(foreach, shapes, log_s
     ops = FOREACH if foreach else SINGLE
     gamma, beta1 = a, 0.5  # a = gamma beta1 / (1 - beta1) = gamma, exactly (powers of two)
     if foreach:
-        F.corrected_gradient_(bufs, grads, gamma, beta1, ops)
+        mars_equations.corrected_gradient_(bufs, grads, gamma, beta1, ops)
         norms = ops.norm(bufs)
     else:
-        norms = [ops.norm(F.corrected_gradient_(b, g, gamma, beta1, ops))
+        norms = [ops.norm(mars_equations.corrected_gradient_(b, g, gamma, beta1, ops))
                  for b, g in zip(bufs, grads)]
     cs = [b.clone() for b in bufs]
     for c, g, gp in zip(cs, grads, prev):  # MT5 in place: c = (1 + a) g - a g_prev
@@ -127,10 +127,10 @@ def test_mt3_functional_clip_bound_and_identity_below_one(foreach, shapes, log_s
         scale = (1 + a) * (g.abs().max() + gp.abs().max())
         torch.testing.assert_close(c, (1 + a) * g - a * gp, rtol=0, atol=1e-15 * scale)
     if foreach:
-        F.clip_tensor_(bufs, norms, ops)
+        mars_equations.clip_tensor_(bufs, norms, ops)
     else:
         for b, n in zip(bufs, norms):
-            F.clip_tensor_(b, n, ops)
+            mars_equations.clip_tensor_(b, n, ops)
     for c, clipped, n in zip(cs, bufs, norms):
         if n <= 1:
             assert torch.equal(clipped, c)  # dividing by max(1, n) = 1 is exact
@@ -147,7 +147,8 @@ def test_mt3_functional_global_clip_divides_by_the_joint_norm(foreach, shapes, l
     cs = [g * 10.0**s for g, s in zip(random_grads(rng, shapes), log_scales)]
     joint = torch.linalg.vector_norm(torch.cat([c.flatten() for c in cs]))
     ops = FOREACH if foreach else SINGLE
-    out = F.clip_global_([c.clone() for c in cs], [torch.linalg.vector_norm(c) for c in cs], ops)
+    out = mars_equations.clip_global_([c.clone() for c in cs],
+                                      [torch.linalg.vector_norm(c) for c in cs], ops)
     for c, clipped in zip(cs, out):  # the norm's rounding and one division: 1e-14 relative
         torch.testing.assert_close(clipped, c / joint.clamp(min=1.0), rtol=1e-14, atol=0)
 

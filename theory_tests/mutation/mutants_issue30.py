@@ -19,11 +19,12 @@ ISSUE30_MUTANTS = {
         # an unknown kind let through (it then fails, or takes another route's rule)
         Mutant(T_CHK, "        if kind not in needs:", "        if False:"),
         Mutant(T_CHK, "            if t.shape != shape:", "            if False:"),
-        Mutant(T_CHK, "        if kind in matrices and len(shape) != matrix_ndim:", "        if False:"),
+        Mutant(T_CHK, "        if kind in matrices and len(shape) != matrix_batch_dims + 2:",
+               "        if False:"),
         Mutant(T_CHK, "        if not (torch.is_tensor(k) and k.numel() == 1 and not k.is_cuda):",
                "        if not torch.is_tensor(k):"),
         # amsgrad's buffer not required
-        Mutant(T_FN, "((\"max_exp_avg_sqs\",) if amsgrad", "((\"max_exp_avg_sqs\",) if False"),
+        Mutant(T_FN, "(\"max_exp_avg_sqs\",) if amsgrad", "(\"max_exp_avg_sqs\",) if False"),
     ],
     "PORT-TENSOR-HYPER": [
         # a tensor read on the host while compiling: a graph break / a constant per value
@@ -34,8 +35,9 @@ ISSUE30_MUTANTS = {
         Mutant(T_VAL, "    if value.numel() != 1 or not value.is_floating_point() or value.is_cuda \\",
                "    if value.numel() != 1 or value.is_cuda \\"),
         Mutant(T_F, "    beta1, beta2 = (_number(b) for b in betas)\n", "    beta1, beta2 = betas\n"),
-        Mutant(T_MF, "    momentum = F._number(momentum)", "    momentum = momentum"),
-        Mutant(T_FN, "    beta1 = F._number(beta1)  # a tensor beta1", "    beta1 = beta1  # a tensor beta1"),
+        Mutant(T_MF, "    momentum = mars_equations._number(momentum)", "    momentum = momentum"),
+        Mutant(T_FN, "    beta1 = mars_equations._number(beta1)  # a tensor beta1",
+               "    beta1 = beta1  # a tensor beta1"),
         Mutant(T_LAMB, "            steps = counters if compiling else [int(k.item()) for k in counters]",
                "            steps = [int(k.item()) for k in counters]"),
         Mutant(T_LAMB, "                     betas=tuple(step_scalar(b) for b in group[\"betas\"])))",

@@ -33,7 +33,7 @@ LOW_PRECISION_MUTANTS = {
                "        return list(torch._foreach_norm(x, dtype=torch.float64))"),
         # MARS-M's AdamW backup: foreach step sizes lr sqrt(bc2) / bc1 rounded to the dtype
         Mutant(T_MF, "        step = [-h.lr * s / b for b, s in zip(h.bc1, h.sqrt_bc2)]",
-               "        step = [float(F.torch.tensor(-h.lr * s / b, dtype=p[0].dtype)) "
+               "        step = [float(mars_equations.torch.tensor(-h.lr * s / b, dtype=p[0].dtype)) "
                "for b, s in zip(h.bc1, h.sqrt_bc2)]"),
     ],
     "PORT-LAMB-SURFACE": [

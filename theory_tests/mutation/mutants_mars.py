@@ -48,8 +48,9 @@ MARS_MUTANTS = {
         # x_{t-1} never advances: every correction is taken at x_1
         Mutant(T_EX, '            opt.state[p]["prev_param"] = x_t\n', "            pass\n"),
         Mutant(T_F, '    return ops.lerp_(g_prev, g, 1.0 + correction_coefficient(gamma, beta1))', '    return ops.lerp_(g_prev, g, 1.0 - correction_coefficient(gamma, beta1))'),
-        Mutant(T_C, '    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, COMPILED)',
-               '    c = F.corrected_gradient_(last, g, h.beta1, h.gamma, COMPILED)', tests=COMPILED_EXACT),
+        Mutant(T_C, '    c = mars_equations.corrected_gradient_(last, g, h.gamma, h.beta1, COMPILED)',
+               '    c = mars_equations.corrected_gradient_(last, g, h.beta1, h.gamma, COMPILED)',
+               tests=COMPILED_EXACT),
     ],
     "M2": [
         Mutant(R_MARS_EQ, "    return gamma * beta1 / (1.0 - beta1)", "    return gamma * beta1 / (1.0 + beta1)"),
@@ -79,8 +80,8 @@ MARS_MUTANTS = {
         Mutant(T_F, "            ops.divide_by_clamped_(cs, [total] * len(cs))",
                "            ops.divide_by_clamped_(cs, norms)"),
         # the optimizer's first pass of the global clip forgets that maximize negates g
-        Mutant(T_FN, 'F.corrected_gradient_(last.clone(), -g if maximize else g, gamma, beta1))',
-               'F.corrected_gradient_(last.clone(), g, gamma, beta1))'),
+        Mutant(T_FN, '                last.clone(), -g if maximize else g, gamma, beta1))',
+               '                last.clone(), g, gamma, beta1))'),
     ],
     "M4": [
         Mutant(R_MARS_EQ, "    return beta1 * m + (1.0 - beta1) * c", "    return beta1 * m + c"),
@@ -93,10 +94,11 @@ MARS_MUTANTS = {
         Mutant(T_F, "    momentum_(m, c, h.beta1, ops)\n    lion_step_(p, m, h, ops)",
                "    lion_step_(p, m, h, ops)\n    momentum_(m, c, h.beta1, ops)"),
         # the foreach Shampoo bucket's momentum fed the raw g instead of c~
-        Mutant(T_FN, "            F.momentum_(ms, cs, h.beta1, FOREACH)",
-               "            F.momentum_(ms, gs, h.beta1, FOREACH)"),
+        Mutant(T_FN, "            mars_equations.momentum_(ms, cs, h.beta1, FOREACH)",
+               "            mars_equations.momentum_(ms, gs, h.beta1, FOREACH)"),
         # the compiled kernels read beta2 as beta1 (the packed hyperparameters out of order)
-        Mutant(T_C, '    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)', '    F.adamw_rule_(p, c, m, v, vmax, h._replace(beta1=h.beta2, beta2=h.beta1), COMPILED)',
+        Mutant(T_C, '    mars_equations.adamw_rule_(p, c, m, v, vmax, h, COMPILED)',
+               '    mars_equations.adamw_rule_(p, c, m, v, vmax, h._replace(beta1=h.beta2, beta2=h.beta1), COMPILED)',
                tests=COMPILED_MARS),
     ],
     "M4-unclipped": [
@@ -108,11 +110,12 @@ MARS_MUTANTS = {
         Mutant(R_MARS, "        return adamw_step(p, m, v, self.k, self.lr, b1, b2, cfg.eps, cfg.weight_decay)",
                "        return adamw_step(p, m, v, self.k + 1, self.lr, b1, b2, cfg.eps, cfg.weight_decay)"),
         Mutant(R_MARS_EQ, "    return p - lr * (u + weight_decay * p)", "    return p + lr * (u + weight_decay * p)"),
-        Mutant(T_FN, "            F.adamw_rule_(p, c, m, v, v_max, h, SINGLE)",
-               "            F.adamw_rule_(p, g, m, v, v_max, h, SINGLE)"),
-        Mutant(T_FN, "            F.lion_rule_(ps, cs, ms, h, FOREACH)", "            F.lion_rule_(ps, gs, ms, h, FOREACH)"),
-        Mutant(T_C, "    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)", "    F.adamw_rule_(p, g, m, v, vmax, h, COMPILED)",
-               tests=COMPILED_MARS),
+        Mutant(T_FN, "            mars_equations.adamw_rule_(p, c, m, v, v_max, h, SINGLE)",
+               "            mars_equations.adamw_rule_(p, g, m, v, v_max, h, SINGLE)"),
+        Mutant(T_FN, "            mars_equations.lion_rule_(ps, cs, ms, h, FOREACH)",
+               "            mars_equations.lion_rule_(ps, gs, ms, h, FOREACH)"),
+        Mutant(T_C, "    mars_equations.adamw_rule_(p, c, m, v, vmax, h, COMPILED)",
+               "    mars_equations.adamw_rule_(p, g, m, v, vmax, h, COMPILED)", tests=COMPILED_MARS),
     ],
     # ---------------------------------------------------------------- (M6)-(M9): MARS-AdamW
     "M6": [
@@ -131,7 +134,9 @@ MARS_MUTANTS = {
         Mutant(T_OPS, "        torch._foreach_addcdiv_(x, a, b, s) if isinstance(s, list)",
                "        torch._foreach_addcmul_(x, a, b, s) if isinstance(s, list)"),
         Mutant(T_OPS, "        return x.add_(a / b * s)", "        return x.add_(b / a * s)", tests=COMPILED_MARS),
-        Mutant(T_C, '            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)', '            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)\n            h = h._replace(bc1=h.sqrt_bc2, sqrt_bc2=h.bc1)',
+        Mutant(T_C, '            h = mars_equations.with_bias_corrections(hypers[kind], key[2], COMPILED)',
+               '            h = mars_equations.with_bias_corrections(hypers[kind], key[2], COMPILED)\n'
+               '            h = h._replace(bc1=h.sqrt_bc2, sqrt_bc2=h.bc1)',
                tests=COMPILED_MARS),
     ],
     "M8": [
@@ -146,8 +151,8 @@ MARS_MUTANTS = {
         Mutant(R_MARS_EQ, "    return np.maximum(v_max, v)", "    return np.minimum(v_max, v)"),
         # v-bar computed and then not used
         Mutant(T_F, "        v = amsgrad_max_(v_max, v, ops)", "        amsgrad_max_(v_max, v, ops)"),
-        Mutant(T_FN, "            F.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h, FOREACH)",
-               "            F.adamw_rule_(ps, cs, ms, vs, None, h, FOREACH)"),
+        Mutant(T_FN, "            mars_equations.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h,",
+               "            mars_equations.adamw_rule_(ps, cs, ms, vs, None, h,"),
         Mutant(T_OPS, "        torch._foreach_maximum_(x, y)", "        torch._foreach_minimum_(x, y)"),
         # the reported survivor: the compiled AMSGrad uses v instead of its running max
         Mutant(T_OPS, "        return x.copy_(torch.maximum(x, y))", "        return x.copy_(y)",
@@ -159,8 +164,8 @@ MARS_MUTANTS = {
         Mutant(T_F, "    ops.add_scaled_(p, ops.sign(m), -h.lr)", "    ops.add_scaled_(p, m, -h.lr)"),
         Mutant(T_OPS, "            torch._foreach_add_(x, y, alpha=s)", "            torch._foreach_add_(x, y, alpha=-s)"),
         Mutant(T_OPS, "        return x.add_(y * s)", "        return x.sub_(y * s)", tests=COMPILED_MARS),
-        Mutant(T_C, "    F.lion_rule_(p, c, m, h, COMPILED)", "    F.lion_rule_(p, g, m, h, COMPILED)",
-               tests=COMPILED_MARS),
+        Mutant(T_C, "    mars_equations.lion_rule_(p, c, m, h, COMPILED)",
+               "    mars_equations.lion_rule_(p, g, m, h, COMPILED)", tests=COMPILED_MARS),
     ],
     "M11": [
         # the singular values kept: U diag(s) V^T = m itself
@@ -198,11 +203,13 @@ MARS_MUTANTS = {
         Mutant(T_F, "    return len(shape) == 2 or optimize_1d", "    return len(shape) >= 2 or optimize_1d"),
         Mutant(T_F, '        if weight_decay_1d_source == "constructor":',
                '        if weight_decay_1d_source == "group":'),
-        Mutant(T_FN, "            F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)",
-               "            F.adamw_rule_(ps, gs, ms, vs, None, F.resolve_hyperparameters(hp, F.ADAMW), FOREACH)"),
+        Mutant(T_FN, "            mars_equations.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)",
+               "            mars_equations.adamw_rule_(ps, gs, ms, vs, None, "
+               "mars_equations.resolve_hyperparameters(hp, mars_equations.ADAMW), FOREACH)"),
         # the reported survivor: the compiled 1-D fallback ignores weight_decay_1d_source
-        Mutant(T_C, '            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)',
-               '            h = F.with_bias_corrections(hypers.get(F.ADAMW, hypers[kind]), key[2], COMPILED)', tests=COMPILED_MARS),
+        Mutant(T_C, '            h = mars_equations.with_bias_corrections(hypers[kind], key[2], COMPILED)',
+               '            h = mars_equations.with_bias_corrections(hypers.get(mars_equations.ADAMW, '
+               'hypers[kind]), key[2], COMPILED)', tests=COMPILED_MARS),
         # the compiled path's hyperparameter cache keyed without the route: the fallback gets
         # the matrices' lr, betas and weight decay (or the other way round)
         Mutant(T_C, "        key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync",
@@ -213,13 +220,15 @@ MARS_MUTANTS = {
         Mutant(R_MM_EQ, "    return momentum(m, clip_tensor(c) if clip else c, beta)", "    return momentum(m, c, beta)"),
         Mutant(R_MM, "            m = buf = mars_m_momentum(buf, g, g_prev, cfg.gamma, cfg.momentum, cfg.clip_c)",
                "            m = buf = mars_m_momentum(buf, g, g_prev, cfg.gamma, cfg.momentum, True)"),
-        Mutant(T_MF, "        F.clip_matrices_(c, dims, ops)", "        F.clip_tensor_(c, ops.norm(g), ops)"),
-        Mutant(T_MF, '    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=momentum,',
-               '    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=1 - momentum,'),
+        Mutant(T_MF, "        mars_equations.clip_matrices_(c, matrix_batch_dims, ops)",
+               "        mars_equations.clip_tensor_(c, ops.norm(g), ops)"),
+        Mutant(T_MF, '                                gamma=gamma, beta1=momentum, beta2=0.0, eps=MARS_M_NS_EPS)',
+               '                                gamma=gamma, beta1=1 - momentum, beta2=0.0, eps=MARS_M_NS_EPS)'),
         Mutant(T_FN, "        args = mars_m_momentum_(bufs, gs, lasts, h, clip, FOREACH, matrix_batch_dims)",
                "        args = mars_m_momentum_(bufs, gs, lasts, h, False, FOREACH, matrix_batch_dims)"),
-        Mutant(T_MC, '        m = M.mars_m_momentum_(buf, g, last, h, clip, COMPILED)',
-               '        m = M.mars_m_momentum_(buf, g, last, h._replace(gamma=h.beta1), clip, COMPILED)', tests=COMPILED_MARS_M),
+        Mutant(T_MC, '        m = mars_m_equations.mars_m_momentum_(buf, g, last, h, clip, COMPILED)',
+               '        m = mars_m_equations.mars_m_momentum_(buf, g, last, h._replace(gamma=h.beta1), clip, COMPILED)',
+               tests=COMPILED_MARS_M),
     ],
     "M16": [
         Mutant(R_MM_EQ, "    return newton_schulz(m, steps=ns_steps, eps=MARS_M_NS_EPS, coefficients=ns_coefficients)",
@@ -229,8 +238,9 @@ MARS_MUTANTS = {
         Mutant(T_MF, "              cast_first=True)",
                "              cast_first=False)"),
         # the compiled matrix kernel called with one Newton-Schulz step too few
-        Mutant(T_MC, '                key[0] == M.EFFICIENT, ns["ns_steps"], ns["ns_dtype"], ns["ns_coefficients"],',
-               '                key[0] == M.EFFICIENT, ns["ns_steps"] - 1, ns["ns_dtype"], ns["ns_coefficients"],', tests=COMPILED_MARS_M),
+        Mutant(T_MC, '                key[0] == mars_m_equations.EFFICIENT, ns["ns_steps"], ns["ns_dtype"],',
+               '                key[0] == mars_m_equations.EFFICIENT, ns["ns_steps"] - 1, ns["ns_dtype"],',
+               tests=COMPILED_MARS_M),
     ],
     "M17": [
         Mutant(R_MM_EQ, "    return p * (1.0 - lr * weight_decay) - lr * scale * o",

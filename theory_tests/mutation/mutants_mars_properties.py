@@ -22,8 +22,8 @@ MARS_PROPERTY_MUTANTS = {
         Mutant(R_MARS, "        cfg, (b1, b2) = self.config, self.config.betas_1d",
                "        cfg, (b1, b2) = self.config, self.config.betas"),
         # the optimizer routes as if optimize_1d were always on
-        Mutant(T_MARS, '    return F.route(p.shape, group["mars_type"], group["optimize_1d"], group["matrix_batch_dims"])',
-               '    return F.route(p.shape, group["mars_type"], True, group["matrix_batch_dims"])'),
+        Mutant(T_MARS, '    return mars_equations.route(p.shape, group["mars_type"], group["optimize_1d"],',
+               '    return mars_equations.route(p.shape, group["mars_type"], True,'),
         Mutant(T_F, "        beta1, beta2 = (_number(b) for b in betas_1d)", "        beta1, beta2 = (_number(b) for b in betas)"),
         Mutant(T_F, '                     beta1=beta1, beta2=beta2, eps=eps)',
                '                     beta1=beta1, beta2=beta2, eps=1e-8)'),
@@ -37,7 +37,8 @@ MARS_PROPERTY_MUTANTS = {
                "    return [c / max(norm, 1.0) ** 2 for c in cs] if norm > 1.0 else list(cs)"),
         Mutant(T_F, "    return ops.divide_by_clamped_(c, norm)", "    return ops.divide_by_clamped_(c, norm * norm)"),
         Mutant(T_FN, "        elif scope == \"global\":\n            FOREACH.divide_by_clamped_(cs, [total] * len(cs))",
-               "        elif scope == \"global\":\n            F.clip_tensor_(cs, FOREACH.norm(cs), FOREACH)", tests=(MT20,)),
+               "        elif scope == \"global\":\n"
+               "            mars_equations.clip_tensor_(cs, FOREACH.norm(cs), FOREACH)", tests=(MT20,)),
     ],
     "MT4": [
         Mutant(R_MARS_EQ, "    return g + correction_coefficient(gamma, beta1) * (g - g_prev)",
@@ -56,8 +57,10 @@ MARS_PROPERTY_MUTANTS = {
         Mutant(T_FN, "for step t+1\n            last.copy_(g)", "for step t+1\n            last.copy_(c)"),
         Mutant(T_FN, "        if write_last:\n            FOREACH.copy_(lasts, gs)",
                "        if write_last:\n            FOREACH.copy_(lasts, cs)"),
-        Mutant(T_C, "    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)\n    if write_last:\n        last.copy_(g)",
-               "    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)\n    if write_last:\n        last.copy_(c)",
+        Mutant(T_C, "    mars_equations.adamw_rule_(p, c, m, v, vmax, h, COMPILED)\n    if write_last:\n"
+                    "        last.copy_(g)",
+               "    mars_equations.adamw_rule_(p, c, m, v, vmax, h, COMPILED)\n    if write_last:\n"
+               "        last.copy_(c)",
                tests=COMPILED_MARS),
     ],
     "MT7": [
@@ -151,13 +154,15 @@ MARS_PROPERTY_MUTANTS = {
     ],
     "MT18": [
         Mutant(R_MARS_EQ, "    return np.maximum(v_max, v)", "    return np.maximum(v, v)"),
-        Mutant(T_FN, "            F.adamw_rule_(p, c, m, v, v_max, h, SINGLE)",
-               "            F.adamw_rule_(p, c, m, v, None, h, SINGLE)"),
+        Mutant(T_FN, "            mars_equations.adamw_rule_(p, c, m, v, v_max, h, SINGLE)",
+               "            mars_equations.adamw_rule_(p, c, m, v, None, h, SINGLE)"),
         Mutant(T_OPS, "        return torch.maximum(x, y, out=x)", "        return x.copy_(y)"),
     ],
     "MT19": [
-        Mutant(T_MARS, '            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []',
-               '            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK, F.LION) else []'),
+        Mutant(T_MARS, '            buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, '
+                       'mars_equations.FALLBACK) else []',
+               '            buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, '
+               'mars_equations.FALLBACK, mars_equations.LION) else []'),
         Mutant("torch_impl/mars/state_dtype.py", '            if dtype is None or i not in state_dict["state"]:',
                '            if dtype is not None or i not in state_dict["state"]:'),
         Mutant(T_MARS, '                st["step"] = torch.tensor(float(st["step"]))',
@@ -166,8 +171,8 @@ MARS_PROPERTY_MUTANTS = {
     "MT20": [
         Mutant(T_FN, "        elif scope == \"global\":\n            SINGLE.divide_by_clamped_(c, total)",
                "        elif scope == \"global\":\n            SINGLE.divide_by_clamped_(c, SINGLE.norm(c))"),
-        Mutant(T_FN, '        h = F.with_bias_corrections(hypers[kind], [steps[i].item() for i in idx], FOREACH)',
-               '        h = F.with_bias_corrections(hypers[kind], [steps[idx[0]].item() for i in idx], FOREACH)'),
+        Mutant(T_FN, '            hypers[kind], [steps[i].item() for i in idx], FOREACH)',
+               '            hypers[kind], [steps[idx[0]].item() for i in idx], FOREACH)'),
         Mutant(T_OPS, "        for a, b in zip(x, y):  # DTensor", "        for a, b in zip(x, y[::-1]):  # DTensor"),
     ],
     # ---------------------------------------------------------------- variance reduction
@@ -234,8 +239,8 @@ MARS_PROPERTY_MUTANTS = {
     ],
     "MARS-authors-exact-API": [
         Mutant(R_MARS, "        if not cfg.is_approx and self.k > 1:", "        if not cfg.is_approx and self.k > 0:"),
-        Mutant(T_MARS, "        keeps_last_grad = (lambda p, group: _route(p, group) != F.FALLBACK)",
-               "        keeps_last_grad = (lambda p, group: _route(p, group) == F.FALLBACK)"),
+        Mutant(T_MARS, "        keeps_last_grad = (lambda p, group: _route(p, group) != mars_equations.FALLBACK)",
+               "        keeps_last_grad = (lambda p, group: _route(p, group) == mars_equations.FALLBACK)"),
         Mutant(T_EX, '    return any("previous_grad" in st for st in opt.state.values())',
                '    return all("previous_grad" in st for st in opt.state.values())'),
         Mutant(T_EX, "        if group[\"is_approx\"]:\n            continue\n        for p in group[\"params\"]:\n            if not keeps_last_grad(p, group):",

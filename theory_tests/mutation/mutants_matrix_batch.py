@@ -27,7 +27,7 @@ MATRIX_BATCH_MUTANTS = {
         Mutant(T_EQ, "    return torch.linalg.vector_norm(c, dim=(-2, -1), keepdim=True)",
                "    return torch.linalg.vector_norm(c)"),
         # the foreach path alone clips a stack by its whole norm
-        Mutant(T_EQ, "    norms = [_matrix_norms(x) if k else SINGLE.norm(x) for x, k in zip(c, batch_dims)]",
+        Mutant(T_EQ, "    norms = [_matrix_norms(x) if stack else SINGLE.norm(x) for x, stack in zip(c, stacks)]",
                "    norms = [SINGLE.norm(x) for x in c]"),
         # the oracle's MARS clips a stack as one tensor
         Mutant(R_EQ, "    return over_matrices(clip_tensor, batch_dims, c)", "    return clip_tensor(c)"),
@@ -38,8 +38,9 @@ MATRIX_BATCH_MUTANTS = {
         Mutant(T_FN, "        scale = match_rms_scale(p.shape[-2:]) if r[8] is None else r[8]",
                "        scale = match_rms_scale(p.shape) if r[8] is None else r[8]"),
         # ... the compiled MARS-M kernel's ...
-        Mutant(T_MC, "        s = M.match_rms_scale(p.shape[-2:]) if scale is None else scale",
-               "        s = M.match_rms_scale(p.shape) if scale is None else scale", tests=COMPILED),
+        Mutant(T_MC, "        s = mars_m_equations.match_rms_scale(p.shape[-2:]) if scale is None else scale",
+               "        s = mars_m_equations.match_rms_scale(p.shape) if scale is None else scale",
+               tests=COMPILED),
         # ... and MARS-Shampoo's s = sqrt(max(1, E / A))
         Mutant(T_EQ, "        scale = shape_scale(p.shape[-2:])", "        scale = shape_scale(p.shape)"),
         # Newton-Schulz normalised over the whole stack: MARS-M's order (cast first) ...
@@ -49,8 +50,8 @@ MATRIX_BATCH_MUTANTS = {
         Mutant(T_MF, "        X = (M / (torch.linalg.matrix_norm(M, keepdim=True) + eps)).to(dtype)",
                "        X = (M / (torch.linalg.vector_norm(M) + eps)).to(dtype)"),
         # the compiled MARS-AdamW / Lion kernels take a stack whole (one clip norm)
-        Mutant(T_C, "        for row in each_matrix(stack, p, g, m, v, vmax, last):  # (p, g, m, v, vmax, last)",
-               "        for row in each_matrix(0, p, g, m, v, vmax, last):  # (p, g, m, v, vmax, last)",
+        Mutant(T_C, "        for row in each_matrix(matrix_batch_dims, p, g, m, v, vmax, last):",
+               "        for row in each_matrix(0, p, g, m, v, vmax, last):",
                tests=COMPILED),
         # torch.compile(opt.step) on the CPU: the traced clip divides each matrix by the
         # stack's norm
@@ -71,13 +72,14 @@ MATRIX_BATCH_MUTANTS = {
         Mutant(T_EQ, "    if matrix_batch_dims == 0 or len(shape) < 2:\n        return 0",
                "    if True:\n        return 0"),
         # a bad value let through to the routing (which then fails in its own words)
-        Mutant(T_VAL, '    k = group["matrix_batch_dims"]\n    check_int("matrix_batch_dims", k, low=0)',
-               '    k = group["matrix_batch_dims"]'),
+        Mutant(T_VAL, '    matrix_batch_dims = group["matrix_batch_dims"]\n'
+                      '    check_int("matrix_batch_dims", matrix_batch_dims, low=0)',
+               '    matrix_batch_dims = group["matrix_batch_dims"]'),
         # the functional MARS-M checks matrix routes for 2-D whatever the option says
         Mutant(T_FN, "                matrices=(MATRIX, EFFICIENT), optional=(\"shape_scales\",),\n"
-                     "                matrix_ndim=matrix_batch_dims + 2)",
+                     "                matrix_batch_dims=matrix_batch_dims)",
                "                matrices=(MATRIX, EFFICIENT), optional=(\"shape_scales\",),\n"
-               "                matrix_ndim=2)"),
+               "                matrix_batch_dims=0)"),
         # a group changed to a value its shapes do not fit is found only once earlier groups
         # have stepped
         Mutant(T_MM, "                    _kind(p, group)  # raises for a shape",

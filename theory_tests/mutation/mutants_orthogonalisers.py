@@ -83,10 +83,10 @@ ORTHOGONALISER_MUTANTS = {
         Mutant(T_SH, "    for j, out in zip(mine, orthogonalize_by_shape(fn, fulls)):",
                "    for j, out in zip(mine, [fn(f) for f in fulls]):", tests=OWNER),
         # the compiled kernel steps every matrix of a group with the first one's direction
-        Mutant(T_MC, "        M.mars_m_step_(p, o[i], h, COMPILED)",
-               "        M.mars_m_step_(p, o[0], h, COMPILED)"),
+        Mutant(T_MC, "        mars_m_equations.mars_m_step_(p, o[i], h, COMPILED)",
+               "        mars_m_equations.mars_m_step_(p, o[0], h, COMPILED)"),
         # the compiled path drops the schedule
-        Mutant(T_MC, '                key[0] == M.EFFICIENT, ns["ns_steps"], ns["ns_dtype"], ns["ns_coefficients"],',
-               '                key[0] == M.EFFICIENT, ns["ns_steps"], ns["ns_dtype"], "authors",'),
+        Mutant(T_MC, '                ns["ns_coefficients"], ns["orthogonalizer"])',
+               '                "authors", ns["orthogonalizer"])'),
     ],
 }

@@ -50,7 +50,7 @@ PEER_MUTANTS = {
     ],
     "PEER-TORCH-MUON": [
         # clip_c ignored: MARS-M always clips (invisible with gradients below norm 1)
-        Mutant(T_MEQ, "    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, ops)\n    if clip:",
-               "    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, ops)\n    if True:"),
+        Mutant(T_MEQ, "    c = mars_equations.corrected_gradient_(last, g, h.gamma, h.beta1, ops)\n    if clip:",
+               "    c = mars_equations.corrected_gradient_(last, g, h.gamma, h.beta1, ops)\n    if True:"),
     ],
 }

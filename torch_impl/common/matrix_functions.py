@@ -220,14 +220,14 @@ def orthogonalize_svd(M):
     return (U * (s > tol).unsqueeze(-2).to(U.dtype)) @ Vh
 
 
-def over_matrices(fn, batch_dims, M, *args):
-    r"""``fn`` of each matrix of a stack M (``batch_dims`` leading dims, then A x B), for a
-    batched ``fn`` that maps (n, A, B) to (n, A', B'): the leading dims are flattened into one,
-    ``fn`` runs once on all the matrices, and the result gets them back.  The twin of the
-    oracle's explicit loop (``reference.common.matrix_functions.over_matrices``): a batched
+def over_matrices(fn, matrix_batch_dims, M, *args):
+    r"""``fn`` of each matrix of a stack M (``matrix_batch_dims`` leading dims, then A x B),
+    for a batched ``fn`` that maps (n, A, B) to (n, A', B'): the leading dims are flattened
+    into one, ``fn`` runs once on all the matrices, and the result gets them back.  The twin of
+    the oracle's explicit loop (``reference.common.matrix_functions.over_matrices``): a batched
     ``fn`` treats each matrix on its own, so the two say the same."""
-    if batch_dims == 0:
+    if matrix_batch_dims == 0:
         return fn(M, *args)
-    batch = M.shape[:batch_dims]
-    out = fn(M.reshape(-1, *M.shape[batch_dims:]), *args)
+    batch = M.shape[:matrix_batch_dims]
+    out = fn(M.reshape(-1, *M.shape[matrix_batch_dims:]), *args)
     return out.reshape(*batch, *out.shape[1:])

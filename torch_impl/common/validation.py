@@ -46,24 +46,25 @@ def check_int(name, value, low=None):
                          f"got {value!r}")
 
 
-def check_matrix_batch_dims(group, batch_dims_of):
+def check_matrix_batch_dims(group, matrix_batch_dims_of):
     """A group's ``matrix_batch_dims``: an int >= 0 under which every tensor of the group is
-    either a stack of matrices or routes by its own shape -- ``batch_dims_of(shape, k)``
-    (``mars_equations.matrix_batch_dims_of``) raises for any other; one ValueError names
-    ``matrix_batch_dims`` and every such shape, so that nothing is guessed."""
-    k = group["matrix_batch_dims"]
-    check_int("matrix_batch_dims", k, low=0)
+    either a stack of matrices or routes by its own shape --
+    ``matrix_batch_dims_of(shape, matrix_batch_dims)`` (``mars_equations``'s, passed in)
+    raises for any other; one ValueError names ``matrix_batch_dims`` and every such shape, so
+    that nothing is guessed."""
+    matrix_batch_dims = group["matrix_batch_dims"]
+    check_int("matrix_batch_dims", matrix_batch_dims, low=0)
     bad = []
     for p in group["params"]:
         try:
-            batch_dims_of(p.shape, k)
+            matrix_batch_dims_of(p.shape, matrix_batch_dims)
         except ValueError:
             bad.append(tuple(p.shape))
     if bad:
-        raise ValueError(f"matrix_batch_dims={k}: the group's tensors must be stacks of "
-                         f"matrices (ndim {k + 2}) or have ndim < 2; got shapes {bad} (put "
-                         "them in another parameter group; a 3-D tensor is not taken for a "
-                         "stack of matrices unless its group says so)")
+        raise ValueError(f"matrix_batch_dims={matrix_batch_dims}: the group's tensors must be "
+                         f"stacks of matrices (ndim {matrix_batch_dims + 2}) or have ndim < 2; "
+                         f"got shapes {bad} (put them in another parameter group; a 3-D "
+                         "tensor is not taken for a stack of matrices unless its group says so)")
 
 
 def check_bool(name, value):

@@ -26,11 +26,11 @@ import torch
 
 from . import mars_compiled
 from . import mars_m_compiled
-from . import mars_equations as F
+from . import mars_equations
+from . import mars_m_equations
 from .mars_m_equations import (BACKUP, EFFICIENT, MATRIX, backup_adamw_step_,
                                 efficient_argument, efficient_buffer_, mars_m_direction,
-                                mars_m_momentum_, mars_m_step_, match_rms_scale,
-                                resolve_hyperparameters)
+                                mars_m_momentum_, mars_m_step_, match_rms_scale)
 from ..common.sharding import (ORTHOGONALIZE_ON, is_dtensor, orthogonalize_by_shape,
                                orthogonalize_on_owners)
 from ..common.tensor_ops import FOREACH, SINGLE
@@ -48,10 +48,10 @@ def default_foreach(params):
 def corrected_norms(grads, last_grads, kinds, gamma, beta1, *, maximize=False):
     """||c_t||_F of every MARS-path tensor without changing anything: the first pass of the
     global clip, whose one norm spans every group with ``clip_scope="global"``."""
-    beta1 = F._number(beta1)  # a tensor beta1 (as AdamW takes): a number, or traced
-    return [torch.linalg.vector_norm(
-                F.corrected_gradient_(last.clone(), -g if maximize else g, gamma, beta1))
-            for g, last, kind in zip(grads, last_grads, kinds) if kind != F.FALLBACK]
+    beta1 = mars_equations._number(beta1)  # a tensor beta1 (as AdamW takes): a number, or traced
+    return [torch.linalg.vector_norm(mars_equations.corrected_gradient_(
+                last.clone(), -g if maximize else g, gamma, beta1))
+            for g, last, kind in zip(grads, last_grads, kinds) if kind != mars_equations.FALLBACK]
 
 
 def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, state_steps, kinds,
@@ -83,17 +83,19 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     check_lists("mars", params, dict(grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                                      max_exp_avg_sqs=max_exp_avg_sqs, last_grads=last_grads,
                                      state_steps=state_steps, shampoo_scales=shampoo_scales),
-                kinds, {F.ADAMW: moments + ("last_grads",) + (("max_exp_avg_sqs",) if amsgrad
-                                                              else ()),
-                        F.LION: ("grads", "exp_avgs", "last_grads"),
-                        F.SHAMPOO: ("grads", "exp_avgs", "last_grads"), F.FALLBACK: moments},
-                matrices=(F.SHAMPOO,), optional=("shampoo_scales",) + (
+                kinds, {mars_equations.ADAMW: moments + ("last_grads",) + (
+                            ("max_exp_avg_sqs",) if amsgrad else ()),
+                        mars_equations.LION: ("grads", "exp_avgs", "last_grads"),
+                        mars_equations.SHAMPOO: ("grads", "exp_avgs", "last_grads"),
+                        mars_equations.FALLBACK: moments},
+                matrices=(mars_equations.SHAMPOO,), optional=("shampoo_scales",) + (
                     () if amsgrad else ("max_exp_avg_sqs",)),
-                matrix_ndim=matrix_batch_dims + 2)
+                matrix_batch_dims=matrix_batch_dims)
     if not params:
         return
-    dims = [F.matrix_batch_dims_of(p.shape, matrix_batch_dims) for p in params]  # before any write
-    hypers = {kind: F.resolve_hyperparameters(
+    for p in params:  # a shape that matrix_batch_dims does not fit raises before any write
+        mars_equations.matrix_batch_dims_of(p.shape, matrix_batch_dims)
+    hypers = {kind: mars_equations.resolve_hyperparameters(
                   kind, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
                   lr_1d_factor=lr_1d_factor, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d,
                   weight_decay_1d_source=weight_decay_1d_source)
@@ -104,7 +106,8 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     if maximize:
         grads = torch._foreach_neg(grads)
     if clip_scope == "global" and global_clip_norm is None:
-        global_clip_norm = F.global_norm(corrected_norms(grads, last_grads, kinds, gamma, betas[0]))
+        global_clip_norm = mars_equations.global_norm(
+            corrected_norms(grads, last_grads, kinds, gamma, betas[0]))
     buffers = [params, grads, exp_avgs, exp_avg_sqs,
                max_exp_avg_sqs if amsgrad else [None] * len(params), last_grads]
     if shampoo_scales is None:
@@ -112,14 +115,14 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     shampoo = dict(orthogonalizer=orthogonalizer, ns_steps=ns_steps, ns_dtype=ns_dtype,
                    ns_coefficients=ns_coefficients)
     if compiled:
-        eager = [i for i, k in enumerate(kinds) if k == F.SHAMPOO]  # matmul-bound: stays eager
-        fused = [i for i, k in enumerate(kinds) if k != F.SHAMPOO]
+        # MARS-Shampoo's matrices are matmul-bound: they stay eager
+        eager = [i for i, k in enumerate(kinds) if k == mars_equations.SHAMPOO]
+        fused = [i for i, k in enumerate(kinds) if k != mars_equations.SHAMPOO]
         mars_compiled.update([_take(b, fused) for b in buffers], [state_steps[i] for i in fused],
                              [kinds[i] for i in fused], hypers, clip_scope, global_clip_norm,
                              write_last_grad, grouped=compiled == "group",
-                             batch_dims=_take(dims, fused))
+                             matrix_batch_dims=matrix_batch_dims)
         buffers, kinds = [_take(b, eager) for b in buffers], [kinds[i] for i in eager]
-        dims = _take(dims, eager)
         state_steps, shampoo_scales = _take(state_steps, eager), _take(shampoo_scales, eager)
         foreach = False
     if foreach is None:
@@ -127,7 +130,7 @@ def mars(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads, stat
     run = _multi_tensor_mars if foreach else _single_tensor_mars
     deferred = []  # the Shampoo matrices, orthogonalised together after the loop
     run(buffers, state_steps, kinds, hypers, clip_scope, global_clip_norm, write_last_grad,
-        shampoo, shampoo_scales, deferred, dims)
+        shampoo, shampoo_scales, deferred, matrix_batch_dims=matrix_batch_dims)
     if deferred:
         _shampoo_steps_(deferred, shampoo, orthogonalize_on)
 
@@ -137,59 +140,60 @@ def _take(xs, idx):
 
 
 def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo,
-                        scales, deferred=None, dims=None):
+                        scales, deferred=None, matrix_batch_dims=0):
     """The loop: each tensor's whole chain before the next (one temporary alive at a time).
-    ``dims[i]``: the leading dims of tensor i that index matrices (0: not a stack)."""
-    dims = [0] * len(kinds) if dims is None else dims
-    for (p, g, m, v, v_max, last), k, kind, scale, stack in zip(zip(*buffers), steps, kinds,
-                                                                 scales, dims):
-        h = F.with_bias_corrections(hypers[kind], F._step_count(k), SINGLE)  # CPU: no sync
-        if kind == F.FALLBACK:  # (M14) on the raw gradient
-            F.adamw_rule_(p, g, m, v, None, h, SINGLE)
+    ``matrix_batch_dims``: the option, under which a stack's clip is each matrix's."""
+    for (p, g, m, v, v_max, last), k, kind, scale in zip(zip(*buffers), steps, kinds, scales):
+        h = mars_equations.with_bias_corrections(  # CPU: no sync
+            hypers[kind], mars_equations._step_count(k), SINGLE)
+        if kind == mars_equations.FALLBACK:  # (M14) on the raw gradient
+            mars_equations.adamw_rule_(p, g, m, v, None, h, SINGLE)
             continue
-        c = F.corrected_gradient_(last, g, h.gamma, h.beta1, SINGLE)
+        c = mars_equations.corrected_gradient_(last, g, h.gamma, h.beta1, SINGLE)
         if scope == "tensor":  # each matrix of a stack on its own
-            F.clip_matrices_(c, stack, SINGLE)
+            mars_equations.clip_matrices_(c, matrix_batch_dims, SINGLE)
         elif scope == "global":
             SINGLE.divide_by_clamped_(c, total)
-        if kind == F.LION:
-            F.lion_rule_(p, c, m, h, SINGLE)
-        elif kind == F.SHAMPOO:
-            F.momentum_(m, c, h.beta1, SINGLE)
+        if kind == mars_equations.LION:
+            mars_equations.lion_rule_(p, c, m, h, SINGLE)
+        elif kind == mars_equations.SHAMPOO:
+            mars_equations.momentum_(m, c, h.beta1, SINGLE)
             _shampoo_step_(p, m, h, scale, shampoo, deferred)
         else:
-            F.adamw_rule_(p, c, m, v, v_max, h, SINGLE)
+            mars_equations.adamw_rule_(p, c, m, v, v_max, h, SINGLE)
         if write_last:  # keep the raw g_t (copied: never an alias of p.grad) for step t+1
             last.copy_(g)
 
 
 def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo, scales,
-                       deferred=None, dims=None):
+                       deferred=None, matrix_batch_dims=0):
     """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
     dtype) bucket."""
-    dims = [0] * len(kinds) if dims is None else dims
     buckets = {}
     for i, (p, kind) in enumerate(zip(buffers[0], kinds)):
         buckets.setdefault((kind, p.device, p.dtype), []).append(i)
     for (kind, _, _), idx in buckets.items():
         ps, gs, ms, vs, vmaxs, lasts = (_take(b, idx) for b in buffers)
-        h = F.with_bias_corrections(hypers[kind], [steps[i].item() for i in idx], FOREACH)
-        if kind == F.FALLBACK:
-            F.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)
+        h = mars_equations.with_bias_corrections(
+            hypers[kind], [steps[i].item() for i in idx], FOREACH)
+        if kind == mars_equations.FALLBACK:
+            mars_equations.adamw_rule_(ps, gs, ms, vs, None, h, FOREACH)
             continue
-        cs = F.corrected_gradient_(lasts, gs, h.gamma, h.beta1, FOREACH)
+        cs = mars_equations.corrected_gradient_(lasts, gs, h.gamma, h.beta1, FOREACH)
         if scope == "tensor":  # each matrix of a stack on its own
-            F.clip_matrices_(cs, _take(dims, idx), FOREACH)
+            mars_equations.clip_matrices_(cs, matrix_batch_dims, FOREACH)
         elif scope == "global":
             FOREACH.divide_by_clamped_(cs, [total] * len(cs))
-        if kind == F.LION:
-            F.lion_rule_(ps, cs, ms, h, FOREACH)
-        elif kind == F.SHAMPOO:  # the orthogonalizer is a matrix function: one call per tensor
-            F.momentum_(ms, cs, h.beta1, FOREACH)
+        if kind == mars_equations.LION:
+            mars_equations.lion_rule_(ps, cs, ms, h, FOREACH)
+        elif kind == mars_equations.SHAMPOO:
+            # the orthogonalizer is a matrix function: one call per tensor
+            mars_equations.momentum_(ms, cs, h.beta1, FOREACH)
             for i, p, m in zip(idx, ps, ms):
                 _shampoo_step_(p, m, h, scales[i], shampoo, deferred)
         else:
-            F.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h, FOREACH)
+            mars_equations.adamw_rule_(ps, cs, ms, vs, None if vmaxs[0] is None else vmaxs, h,
+                                       FOREACH)
         if write_last:
             FOREACH.copy_(lasts, gs)
 
@@ -208,7 +212,8 @@ def _shampoo_steps_(deferred, shampoo, orthogonalize_on):
     each update.  beta1 and eps are the route's (one ``Hyper`` per call; bias corrections do
     not enter the direction)."""
     h = deferred[0][2]
-    direction = functools.partial(F.shampoo_direction, beta1=h.beta1, eps=h.eps, **shampoo)
+    direction = functools.partial(mars_equations.shampoo_direction, beta1=h.beta1, eps=h.eps,
+                                  **shampoo)
     ms = [m for _, m, _, _ in deferred]
     directions = (orthogonalize_on_owners(direction, ms) if orthogonalize_on == "owner"
                   else [None] * len(ms))
@@ -216,7 +221,7 @@ def _shampoo_steps_(deferred, shampoo, orthogonalize_on):
     for i, d in zip(rest, orthogonalize_by_shape(direction, [ms[i] for i in rest])):
         directions[i] = d
     for (p, m, h, scale), d in zip(deferred, directions):
-        F.shampoo_step_(p, m, h, scale=scale, direction=d, **shampoo)
+        mars_equations.shampoo_step_(p, m, h, scale=scale, direction=d, **shampoo)
 
 
 def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, state_steps,
@@ -246,12 +251,12 @@ def mars_m(params, grads, momentum_buffers, last_grads, exp_avgs, exp_avg_sqs, s
                         EFFICIENT: ("grads", "momentum_buffers"),
                         BACKUP: ("grads", "exp_avgs", "exp_avg_sqs")},
                 matrices=(MATRIX, EFFICIENT), optional=("shape_scales",),
-                matrix_ndim=matrix_batch_dims + 2)
+                matrix_batch_dims=matrix_batch_dims)
     if not params:
         return
-    hypers = {kind: resolve_hyperparameters(kind, lr=lr, weight_decay=weight_decay,
-                                            momentum=momentum, gamma=gamma,
-                                            adamw_betas=adamw_betas, adamw_eps=adamw_eps)
+    hypers = {kind: mars_m_equations.resolve_hyperparameters(
+                  kind, lr=lr, weight_decay=weight_decay, momentum=momentum, gamma=gamma,
+                  adamw_betas=adamw_betas, adamw_eps=adamw_eps)
               for kind in set(kinds)}
     torch._foreach_add_(state_steps, 1.0)
     if maximize:
@@ -325,8 +330,8 @@ def _mars_m_backup(rows, h, foreach):
     if foreach:
         ks = [r[6].item() for r in rows]  # CPU counters: no sync
         backup_adamw_step_(*([r[i] for r in rows] for i in (0, 1, 4, 5)),
-                           F.with_bias_corrections(h, ks, FOREACH), FOREACH)
+                           mars_equations.with_bias_corrections(h, ks, FOREACH), FOREACH)
         return
     for p, g, _, _, m, v, k, _, _ in rows:
-        backup_adamw_step_(p, g, m, v, F.with_bias_corrections(h, F._step_count(k), SINGLE),
-                           SINGLE)
+        backup_adamw_step_(p, g, m, v, mars_equations.with_bias_corrections(
+            h, mars_equations._step_count(k), SINGLE), SINGLE)

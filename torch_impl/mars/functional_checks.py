@@ -13,12 +13,13 @@ import torch
 __all__ = ["check_lists"]
 
 
-def check_lists(fn, params, columns, kinds, needs, *, matrices=(), optional=(), matrix_ndim=2):
+def check_lists(fn, params, columns, kinds, needs, *, matrices=(), optional=(),
+                matrix_batch_dims=0):
     """ValueError (naming ``fn``'s argument) unless ``kinds`` and every list of ``columns``
     (name -> list) have ``len(params)`` entries, each ``kinds[i]`` is a key of ``needs``
     (route -> names of the columns that route reads and writes), each needed entry is a
     tensor of its parameter's shape, and the parameter of a route in ``matrices`` has
-    ``matrix_ndim`` dims (2; ``matrix_batch_dims`` + 2 for stacks of matrices);
+    ``matrix_batch_dims`` + 2 dims (2: a matrix; more: a stack of matrices);
     ``optional`` names columns that may also be ``None`` as a whole."""
     n = len(params)
     columns = dict(columns, kinds=kinds)
@@ -33,9 +34,10 @@ def check_lists(fn, params, columns, kinds, needs, *, matrices=(), optional=(), 
             raise ValueError(f"{fn}: kinds[{i}]: expected one of {tuple(needs)}, got {kind!r}"
                              f"{_route_hint(fn)}")
         shape = params[i].shape
-        if kind in matrices and len(shape) != matrix_ndim:
-            stack = "" if matrix_ndim == 2 else (
-                f" (a stack of ndim {matrix_ndim}: matrix_batch_dims={matrix_ndim - 2})")
+        if kind in matrices and len(shape) != matrix_batch_dims + 2:
+            stack = "" if matrix_batch_dims == 0 else (
+                f" (a stack of ndim {matrix_batch_dims + 2}: "
+                f"matrix_batch_dims={matrix_batch_dims})")
             raise ValueError(f"{fn}: kinds[{i}]: route {kind!r} orthogonalises a matrix{stack}, "
                              f"got a parameter of shape {tuple(shape)}")
         for name in needs[kind]:

@@ -6,7 +6,7 @@ from torch.optim import Optimizer
 
 from . import exact_mode
 from . import functional
-from . import mars_equations as F
+from . import mars_equations
 from ..common.sharding import ORTHOGONALIZE_ON
 from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
@@ -283,11 +283,10 @@ class MARS(Optimizer):
                              last_grads, steps, kinds, scales)
             work.append(_group_work(group, params, grads, exp_avgs, exp_avg_sqs,
                                     max_exp_avg_sqs, last_grads, steps, kinds, scales))
-        total = F.global_norm([n for group, w in zip(self.param_groups, work)
-                               if group["clip_scope"] == "global"
-                               for n in functional.corrected_norms(
-                                   w.grads, w.last_grads, w.kinds, group["gamma"],
-                                   group["betas"][0], maximize=group["maximize"])])
+        total = mars_equations.global_norm([
+            n for group, w in zip(self.param_groups, work) if group["clip_scope"] == "global"
+            for n in functional.corrected_norms(w.grads, w.last_grads, w.kinds, group["gamma"],
+                                                group["betas"][0], maximize=group["maximize"])])
         for group, w in zip(self.param_groups, work):
             functional.mars(
                 w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.max_exp_avg_sqs, w.last_grads,
@@ -350,9 +349,9 @@ class MARS(Optimizer):
             kind = _route(p, group)
             st, dtype = self.state[p], group["state_dtype"] or p.dtype
             buffers = ["exp_avg"]
-            buffers += ["exp_avg_sq"] if kind in (F.ADAMW, F.FALLBACK) else []
-            buffers += ["max_exp_avg_sq"] if kind == F.ADAMW and group["amsgrad"] else []
-            buffers += ["last_grad"] if kind != F.FALLBACK else []
+            buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, mars_equations.FALLBACK) else []
+            buffers += ["max_exp_avg_sq"] if kind == mars_equations.ADAMW and group["amsgrad"] else []
+            buffers += ["last_grad"] if kind != mars_equations.FALLBACK else []
             for name in buffers:  # lazily: a buffer that a later option needs appears then
                 if name not in st:
                     st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -432,7 +431,7 @@ class MARS(Optimizer):
         correction from a gradient that was never finite.  Without ``grad_scaler`` the scaled
         gradient would be stored and the correction would be off by the loss scale; ``step``
         warns once when it sees a GradScaler drive it after such a call."""
-        keeps_last_grad = (lambda p, group: _route(p, group) != F.FALLBACK)
+        keeps_last_grad = (lambda p, group: _route(p, group) != mars_equations.FALLBACK)
         exact_mode.update_previous_grad(self, keeps_last_grad, grad_scaler=grad_scaler)
 
     def update_last_grad(self):
@@ -479,7 +478,8 @@ def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, la
 
 def _route(p, group):
     """The route of tensor ``p`` in ``group`` (``mars_equations.route``)."""
-    return F.route(p.shape, group["mars_type"], group["optimize_1d"], group["matrix_batch_dims"])
+    return mars_equations.route(p.shape, group["mars_type"], group["optimize_1d"],
+                                group["matrix_batch_dims"])
 
 
 def _true_shape_scale(p, group):
@@ -488,7 +488,7 @@ def _true_shape_scale(p, group):
     ``None``: from p's own shape (a stack's: its matrices', ``shampoo_step_``)."""
     if (group.get("shape_layout", "out_in") == "in_out"
             and p.ndim == group["matrix_batch_dims"] + 2):
-        return F.shape_scale((p.shape[-1], p.shape[-2]))
+        return mars_equations.shape_scale((p.shape[-1], p.shape[-2]))
     return None
 
 
@@ -517,7 +517,7 @@ def _validate_group(g):
     check_ns_coefficients(g["ns_coefficients"], g["orthogonalizer"], g["ns_dtype"])
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
-    check_matrix_batch_dims(g, F.matrix_batch_dims_of)
+    check_matrix_batch_dims(g, mars_equations.matrix_batch_dims_of)
     if g["state_dtype"] is not None:
         _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode

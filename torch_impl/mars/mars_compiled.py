@@ -18,37 +18,37 @@ import itertools
 
 import torch
 
-from . import mars_equations as F
+from . import mars_equations
 from ..common.tensor_ops import COMPILED
 
 def _corrected(g, last, h, tensor_clip):
-    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, COMPILED)
+    c = mars_equations.corrected_gradient_(last, g, h.gamma, h.beta1, COMPILED)
     if tensor_clip:
-        return F.clip_tensor_(c, COMPILED.norm(c), COMPILED)
+        return mars_equations.clip_tensor_(c, COMPILED.norm(c), COMPILED)
     return c.div_(h.clip_divisor)  # 1 without a global clip
 
 
 def adamw_kernel(p, g, last, m, v, vmax, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M9) for one tensor."""
-    h = F.Hyper.unpack(hp)
+    h = mars_equations.Hyper.unpack(hp)
     c = _corrected(g, last, h, tensor_clip)
-    F.adamw_rule_(p, c, m, v, vmax, h, COMPILED)
+    mars_equations.adamw_rule_(p, c, m, v, vmax, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
 def lion_kernel(p, g, last, m, hp, tensor_clip: bool, write_last: bool):
     r"""(M1)-(M4), (M10) for one tensor."""
-    h = F.Hyper.unpack(hp)
+    h = mars_equations.Hyper.unpack(hp)
     c = _corrected(g, last, h, tensor_clip)
-    F.lion_rule_(p, c, m, h, COMPILED)
+    mars_equations.lion_rule_(p, c, m, h, COMPILED)
     if write_last:
         last.copy_(g)
 
 
 def fallback_kernel(p, g, m, v, hp):
     r"""(M14): AdamW on the raw gradient (``hp`` carries lr r, betas_1d, the 1-D weight decay)."""
-    F.adamw_rule_(p, g, m, v, None, F.Hyper.unpack(hp), COMPILED)
+    mars_equations.adamw_rule_(p, g, m, v, None, mars_equations.Hyper.unpack(hp), COMPILED)
 
 
 _compiled = {}
@@ -76,15 +76,16 @@ def _flat(*tensors):
     return flat
 
 
-def each_matrix(batch_dims, *tensors):
-    """Rows of same-shape tensors: for a stack (``batch_dims`` > 0) one row per matrix, of
-    views (integer indexing: never a copy, so in-place updates land in the stack), else the
-    tensors themselves; ``None`` stays ``None``."""
-    if not batch_dims:
-        return [tensors]
+def each_matrix(matrix_batch_dims, *tensors):
+    """Rows of same-shape tensors: for a stack under ``matrix_batch_dims``
+    (``mars_equations.matrix_batch_dims_of``) one row per matrix, of views (integer indexing:
+    never a copy, so in-place updates land in the stack), else the tensors themselves;
+    ``None`` stays ``None``."""
     shape = next(t.shape for t in tensors if t is not None)
+    if not mars_equations.matrix_batch_dims_of(shape, matrix_batch_dims):
+        return [tensors]
     return [tuple(None if t is None else t[i] for t in tensors)
-            for i in itertools.product(*map(range, shape[:batch_dims]))]
+            for i in itertools.product(*map(range, shape[:matrix_batch_dims]))]
 
 
 def _over_lists(kernel):
@@ -115,30 +116,29 @@ def _run(calls, grouped):
     return out
 
 
-def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped, batch_dims=None):
+def update(buffers, steps, kinds, hypers, scope, total, write_last, grouped,
+           matrix_batch_dims=0):
     """The whole step of every (non-Shampoo) tensor: one compiled kernel call per tensor (per
-    matrix of a stack), or per batch of same-route tensors with ``grouped``.  ``hypers``: each
-    route's ``Hyper``; ``total``: the global norm (or None); ``batch_dims[i]``: tensor i's
-    leading dims that index matrices (0: not a stack)."""
-    batch_dims = [0] * len(kinds) if batch_dims is None else batch_dims
+    matrix of a stack under ``matrix_batch_dims``), or per batch of same-route tensors with
+    ``grouped``.  ``hypers``: each route's ``Hyper``; ``total``: the global norm (or None)."""
     divisor = torch.clamp(total, min=1.0) if scope == "global" else None
     flags = (scope == "tensor", write_last)
     cache, calls = {}, []
-    for (p, g, m, v, vmax, last), k, kind, stack in zip(zip(*buffers), steps, kinds, batch_dims):
+    for (p, g, m, v, vmax, last), k, kind in zip(zip(*buffers), steps, kinds):
         key = (p.device, p.dtype, k.item(), kind)  # CPU counter: no sync
         if key not in cache:
-            h = F.with_bias_corrections(hypers[kind], key[2], COMPILED)
+            h = mars_equations.with_bias_corrections(hypers[kind], key[2], COMPILED)
             dtype = torch.promote_types(p.dtype, torch.float32)
-            if divisor is not None and kind != F.FALLBACK:  # already on the device
+            if divisor is not None and kind != mars_equations.FALLBACK:  # already on the device
                 cache[key] = h.packed(p.device, dtype, clip_divisor=divisor)
             else:
                 cache[key] = h.packed(p.device, dtype)
         hp = cache[key]
-        if kind == F.FALLBACK:
+        if kind == mars_equations.FALLBACK:
             calls.append((fallback_kernel, _flat(p, g, m, v), hp, ()))
             continue
-        for row in each_matrix(stack, p, g, m, v, vmax, last):  # (p, g, m, v, vmax, last)
-            if kind == F.LION:
+        for row in each_matrix(matrix_batch_dims, p, g, m, v, vmax, last):  # (p, g, m, v, vmax, last)
+            if kind == mars_equations.LION:
                 calls.append((lion_kernel, _flat(row[0], row[1], row[5], row[2]), hp, flags))
             else:
                 calls.append((adamw_kernel, _flat(*row[:2], row[5], *row[2:5]), hp, flags))

@@ -179,26 +179,29 @@ def clip_tensor_(c, norm, ops=SINGLE):
     return ops.divide_by_clamped_(c, norm)
 
 
-def clip_matrices_(c, batch_dims, ops=SINGLE):
+def clip_matrices_(c, matrix_batch_dims, ops=SINGLE):
     r"""(M3), official scope, on stacks: c <- c / max(||c||_F, 1) with the norm of the whole
-    tensor where ``batch_dims`` is 0 and of each matrix where it is k >= 1 (a stack's matrices
-    are clipped as the 2-D parameters they stand for).  FOREACH: ``c`` and ``batch_dims`` are
-    lists, one multi-tensor norm where no tensor is a stack."""
+    tensor, or of each matrix where c is a stack under ``matrix_batch_dims``
+    (``matrix_batch_dims_of``: a stack's matrices are clipped as the 2-D parameters they stand
+    for).  FOREACH: ``c`` is a list, one multi-tensor norm where no tensor is a stack."""
     if ops.name != "foreach":
-        if batch_dims and torch.compiler.is_compiling() and c.device.type == "cpu":
-            return _clip_each_matrix_(c, batch_dims, ops)
-        return clip_tensor_(c, _matrix_norms(c) if batch_dims else ops.norm(c), ops)
-    if not any(batch_dims):
+        stack = matrix_batch_dims_of(c.shape, matrix_batch_dims) > 0
+        if stack and torch.compiler.is_compiling() and c.device.type == "cpu":
+            return _clip_each_matrix_(c, matrix_batch_dims, ops)
+        return clip_tensor_(c, _matrix_norms(c) if stack else ops.norm(c), ops)
+    stacks = [matrix_batch_dims_of(x.shape, matrix_batch_dims) > 0 for x in c]
+    if not any(stacks):
         return clip_tensor_(c, ops.norm(c), ops)
-    norms = [_matrix_norms(x) if k else SINGLE.norm(x) for x, k in zip(c, batch_dims)]
+    norms = [_matrix_norms(x) if stack else SINGLE.norm(x) for x, stack in zip(c, stacks)]
     return clip_tensor_(c, norms, ops)
 
 
-def _clip_each_matrix_(c, batch_dims, ops):
-    """``clip_matrices_`` one matrix view at a time, for ``torch.compile(opt.step)`` on the
-    CPU: Inductor's C++ outer-loop fusion of a per-matrix norm with the in-place division
-    of the stack raises (KeyError in ``try_outer_loop_fusion_with_local_buf``, torch 2.13)."""
-    for i in itertools.product(*map(range, c.shape[:batch_dims])):
+def _clip_each_matrix_(c, matrix_batch_dims, ops):
+    """``clip_matrices_`` one matrix view at a time (c a stack: ndim ``matrix_batch_dims`` +
+    2), for ``torch.compile(opt.step)`` on the CPU: Inductor's C++ outer-loop fusion of a
+    per-matrix norm with the in-place division of the stack raises (KeyError in
+    ``try_outer_loop_fusion_with_local_buf``, torch 2.13)."""
+    for i in itertools.product(*map(range, c.shape[:matrix_batch_dims])):
         clip_tensor_(c[i], ops.norm(c[i]), ops)
     return c
 

@@ -6,7 +6,8 @@ import torch
 from torch.optim import Optimizer
 
 from . import exact_mode
-from . import mars_m_equations as M
+from . import mars_equations
+from . import mars_m_equations
 from .functional import mars_m
 from ..common.sharding import ORTHOGONALIZE_ON
 from ..common.validation import (check_betas, check_choice, check_int, check_matrix_batch_dims,
@@ -227,8 +228,9 @@ class MARSM(Optimizer):
         ``grad_scaler``: the ``torch.amp.GradScaler`` of a mixed-precision loop, whose scale
         the stored gradient is divided by (a non-finite one is stored as 0); see
         ``MARS.update_previous_grad`` for the loop and the reasons."""
-        exact_mode.update_previous_grad(self, lambda p, group: _kind(p, group) == M.MATRIX,
-                                        grad_scaler=grad_scaler)
+        exact_mode.update_previous_grad(
+            self, lambda p, group: _kind(p, group) == mars_m_equations.MATRIX,
+            grad_scaler=grad_scaler)
 
     def update_last_grad(self):
         """The authors' exact loop, after ``step``: ``last_grad`` <- ``previous_grad``."""
@@ -261,8 +263,9 @@ class MARSM(Optimizer):
         (p, kind, state).  Shared by ``_init_group`` (a step) and ``init_state``."""
         for p in params:
             kind, st = _kind(p, group), self.state[p]
-            names = {M.MATRIX: ("momentum_buffer", "last_grad"), M.EFFICIENT: ("momentum_buffer",),
-                     M.BACKUP: ("moment1", "moment2")}[kind]
+            names = {mars_m_equations.MATRIX: ("momentum_buffer", "last_grad"),
+                     mars_m_equations.EFFICIENT: ("momentum_buffer",),
+                     mars_m_equations.BACKUP: ("moment1", "moment2")}[kind]
             for name in names:
                 if name not in st:
                     st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -304,11 +307,11 @@ class MARSM(Optimizer):
 def _kind(p, group):
     rule = group["rule"]
     if rule == "auto":  # a matrix, or a declared stack of them (never a guessed one)
-        stacked = M.F.matrix_batch_dims_of(p.shape, group["matrix_batch_dims"])
+        stacked = mars_equations.matrix_batch_dims_of(p.shape, group["matrix_batch_dims"])
         rule = "mars_m" if p.ndim - stacked == 2 else "adamw"
     if rule == "adamw":
-        return M.BACKUP
-    return M.EFFICIENT if group["efficient"] else M.MATRIX
+        return mars_m_equations.BACKUP
+    return mars_m_equations.EFFICIENT if group["efficient"] else mars_m_equations.MATRIX
 
 
 def _tensor_steps(state):
@@ -347,20 +350,22 @@ def _validate_group(g):
     if g["efficient"] and not g["is_approx"]:
         raise ValueError("efficient: the efficient recursion (M18) keeps no g_{t-1}, so it has "
                          "no exact mode; use is_approx=True or efficient=False")
-    check_int("matrix_batch_dims", g["matrix_batch_dims"], low=0)
-    if g["rule"] == "auto":
-        check_matrix_batch_dims(g, M.F.matrix_batch_dims_of)
-    k = g["matrix_batch_dims"]
+    if g["rule"] == "auto":  # the value, then every tensor a stack or routed by its shape
+        check_matrix_batch_dims(g, mars_equations.matrix_batch_dims_of)
+    else:
+        check_int("matrix_batch_dims", g["matrix_batch_dims"], low=0)
+    matrix_batch_dims = g["matrix_batch_dims"]
     if g["rule"] == "mars_m":
-        bad = [tuple(p.shape) for p in g["params"] if p.ndim != k + 2]
-        if bad and k == 0:
+        bad = [tuple(p.shape) for p in g["params"] if p.ndim != matrix_batch_dims + 2]
+        if bad and matrix_batch_dims == 0:
             raise ValueError(f"rule: 'mars_m' orthogonalizes matrices; got shapes {bad} "
                              "(give them rule='adamw', or reshape them, or declare a stack of "
                              "matrices with matrix_batch_dims)")
         if bad:
-            raise ValueError(f"rule: 'mars_m' with matrix_batch_dims={k} orthogonalizes "
-                             f"stacks of matrices of ndim {k + 2}; got shapes {bad} (give "
-                             "them a group of their own)")
+            raise ValueError(f"rule: 'mars_m' with matrix_batch_dims={matrix_batch_dims} "
+                             f"orthogonalizes stacks of matrices of ndim "
+                             f"{matrix_batch_dims + 2}; got shapes {bad} (give them a group "
+                             "of their own)")
 
 
 class MARS_M(MARSM):  # noqa: N801  (the authors' class name, for a one-line import change)

@@ -15,7 +15,8 @@ fused with a 3-D in-place update meets (torch 2.13).
 import torch
 
 from . import mars_compiled
-from . import mars_m_equations as M
+from . import mars_equations
+from . import mars_m_equations
 from ..common.sharding import BATCH_NUMEL
 from ..common.tensor_ops import COMPILED
 
@@ -24,18 +25,19 @@ def matrix_kernel(ps, gs, lasts, bufs, hp, clip: bool, write_last: bool, efficie
                   ns_steps: int, ns_dtype: torch.dtype, ns_coefficients, orthogonalizer: str):
     r"""(M15)-(M18) for a list of same-shape matrices: each one's momentum, one batched
     Newton-Schulz of them all (each matrix on its own), each one's update."""
-    h = M.F.Hyper.unpack(hp)
+    h = mars_equations.Hyper.unpack(hp)
     ms = []
     for g, last, buf in zip(gs, lasts, bufs):
         if efficient:
-            M.efficient_buffer_(buf, g, h.gamma, h.beta1, COMPILED)
-            m = M.efficient_argument(buf, g, h.gamma, h.beta1, COMPILED)
+            mars_m_equations.efficient_buffer_(buf, g, h.gamma, h.beta1, COMPILED)
+            m = mars_m_equations.efficient_argument(buf, g, h.gamma, h.beta1, COMPILED)
         else:
-            m = M.mars_m_momentum_(buf, g, last, h, clip, COMPILED)
+            m = mars_m_equations.mars_m_momentum_(buf, g, last, h, clip, COMPILED)
         ms.append(m.to(ns_dtype))
-    o = M.mars_m_direction(torch.stack(ms), ns_steps, ns_dtype, ns_coefficients, orthogonalizer)
+    o = mars_m_equations.mars_m_direction(torch.stack(ms), ns_steps, ns_dtype, ns_coefficients,
+                                          orthogonalizer)
     for i, p in enumerate(ps):
-        M.mars_m_step_(p, o[i], h, COMPILED)
+        mars_m_equations.mars_m_step_(p, o[i], h, COMPILED)
     if write_last:
         for last, g in zip(lasts, gs):
             last.copy_(g)
@@ -43,7 +45,7 @@ def matrix_kernel(ps, gs, lasts, bufs, hp, clip: bool, write_last: bool, efficie
 
 def backup_kernel(p, g, m, v, hp):
     r"""The AdamW backup (eps before the bias correction) for one tensor."""
-    M.backup_adamw_step_(p, g, m, v, M.F.Hyper.unpack(hp), COMPILED)
+    mars_m_equations.backup_adamw_step_(p, g, m, v, mars_equations.Hyper.unpack(hp), COMPILED)
 
 
 def update(rows, hypers, clip, ns, write_last, matrix_batch_dims=0):
@@ -56,14 +58,15 @@ def update(rows, hypers, clip, ns, write_last, matrix_batch_dims=0):
     for p, g, buf, last, m1, m2, k, kind, scale in rows:
         h = hypers[kind]
         dtype = torch.promote_types(p.dtype, torch.float32)
-        if kind == M.BACKUP:
+        if kind == mars_m_equations.BACKUP:
             key = (kind, p.device, dtype, k.item())  # CPU counter: no sync
             if key not in cache:
-                h = M.F.with_bias_corrections(h, key[3], COMPILED)
+                h = mars_equations.with_bias_corrections(h, key[3], COMPILED)
                 cache[key] = h.packed(p.device, dtype)
             mars_compiled.compiled(backup_kernel)(*mars_compiled._flat(p, g, m1, m2), cache[key])
             continue
-        s = M.match_rms_scale(p.shape[-2:]) if scale is None else scale  # each matrix's
+        # each matrix's (A, B)
+        s = mars_m_equations.match_rms_scale(p.shape[-2:]) if scale is None else scale
         key = (kind, p.device, dtype, s)
         if key not in cache:
             cache[key] = h._replace(scale=s).packed(p.device, dtype)
@@ -78,6 +81,7 @@ def update(rows, hypers, clip, ns, write_last, matrix_batch_dims=0):
         for batch in batches:
             ps, gs, lasts, bufs = (list(column) for column in zip(*batch))
             mars_compiled.compiled(matrix_kernel)(
-                ps, gs, lasts, bufs, cache[key[:4]], clip, write_last and key[0] == M.MATRIX,
-                key[0] == M.EFFICIENT, ns["ns_steps"], ns["ns_dtype"], ns["ns_coefficients"],
-                ns["orthogonalizer"])
+                ps, gs, lasts, bufs, cache[key[:4]], clip,
+                write_last and key[0] == mars_m_equations.MATRIX,
+                key[0] == mars_m_equations.EFFICIENT, ns["ns_steps"], ns["ns_dtype"],
+                ns["ns_coefficients"], ns["orthogonalizer"])

@@ -9,7 +9,7 @@ A stack of matrices (``matrix_batch_dims`` = k >= 1: every matrix tensor has ndi
 clipped, scaled and orthogonalised matrix by matrix, as k = 0's 2-D tensors are.
 """
 
-from . import mars_equations as F
+from . import mars_equations
 from ..common.matrix_functions import gram_newton_schulz, newton_schulz
 from ..common.tensor_ops import SINGLE
 
@@ -24,13 +24,13 @@ def resolve_hyperparameters(kind, *, lr, weight_decay, momentum, gamma, adamw_be
     """The one MARS-M resolver: the optimizer's keywords -> the route's ``Hyper``.
     Matrices: beta1 = ``momentum`` (a = gamma beta/(1 - beta) in M15); the backup:
     ``adamw_betas``, ``adamw_eps``.  Both decay by ``weight_decay`` (the authors' ``wd``)."""
-    momentum = F._number(momentum)  # tensors where AdamW takes them (common.scalars)
+    momentum = mars_equations._number(momentum)  # tensors where AdamW takes them (common.scalars)
     if kind == BACKUP:
-        beta1, beta2 = (F._number(b) for b in adamw_betas)
-        return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=0.0, beta1=beta1,
-                       beta2=beta2, eps=adamw_eps)
-    return F.Hyper(lr=F._number(lr), weight_decay=weight_decay, gamma=gamma, beta1=momentum,
-                   beta2=0.0, eps=MARS_M_NS_EPS)
+        beta1, beta2 = (mars_equations._number(b) for b in adamw_betas)
+        return mars_equations.Hyper(lr=mars_equations._number(lr), weight_decay=weight_decay,
+                                    gamma=0.0, beta1=beta1, beta2=beta2, eps=adamw_eps)
+    return mars_equations.Hyper(lr=mars_equations._number(lr), weight_decay=weight_decay,
+                                gamma=gamma, beta1=momentum, beta2=0.0, eps=MARS_M_NS_EPS)
 
 
 # ------------------------------------------------------------------ equations (2.6)
@@ -45,11 +45,10 @@ def mars_m_momentum_(m, g, last, h, clip, ops=SINGLE, matrix_batch_dims=0):
     r"""(M15)  C_t = g + a (g - g_prev) in ``last``'s buffer, clipped to norm 1 if ``clip``
     (each matrix of a stack with ``matrix_batch_dims`` leading dims to its own norm), then
     M <- beta M + (1 - beta) C~_t.  Returns M."""
-    c = F.corrected_gradient_(last, g, h.gamma, h.beta1, ops)
+    c = mars_equations.corrected_gradient_(last, g, h.gamma, h.beta1, ops)
     if clip:
-        dims = [matrix_batch_dims] * len(c) if ops.name == "foreach" else matrix_batch_dims
-        F.clip_matrices_(c, dims, ops)
-    return F.momentum_(m, c, h.beta1, ops)
+        mars_equations.clip_matrices_(c, matrix_batch_dims, ops)
+    return mars_equations.momentum_(m, c, h.beta1, ops)
 
 
 def mars_m_direction(m, ns_steps, ns_dtype, ns_coefficients="authors",
@@ -84,8 +83,8 @@ def efficient_argument(buf, g, gamma, beta, ops=SINGLE):
 def backup_adamw_step_(p, g, m, v, h, ops=SINGLE):
     r"""The AdamW backup, eps *before* the bias correction (the authors' placement):
     m <- lerp(m, g, 1-b1), v <- b2 v + (1-b2) g^2, p <- p (1 - lr wd) - lr sqrt(bc2)/bc1 m/(eps + sqrt(v))."""
-    F.momentum_(m, g, h.beta1, ops)
-    F.second_moment_(v, g, h.beta2, ops)
+    mars_equations.momentum_(m, g, h.beta1, ops)
+    mars_equations.second_moment_(v, g, h.beta2, ops)
     denom = ops.sqrt(v)
     ops.add_(denom, h.eps)
     ops.decay_(p, h.lr, h.weight_decay)
