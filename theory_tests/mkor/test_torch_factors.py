@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torch_impl.mkor import factors as F
+from torch_impl.mkor import factors
 
 # "released" ignores stat_decay (K10) and resets to I (zeta unused); the threshold is its 2
 RELEASED = dict(stat_decay=0.95, zeta=0.9, threshold=2.0)
@@ -47,7 +47,7 @@ def test_sherman_morrison_is_the_inverse_of_the_rank1_update(d, seed, scale):
     J = torch.linalg.inv(L)
     expected = torch.linalg.inv(L + torch.outer(v, v))
     tol = 100 * 2.2e-16 * torch.linalg.cond(L).item() * (1 + (v @ J @ v).item())
-    assert rel(F.sherman_morrison(J, v), expected) < tol
+    assert rel(factors.sherman_morrison(J, v), expected) < tol
 
 
 @given(d=st.integers(1, 24), seed=st.integers(0, 10**6),
@@ -61,7 +61,7 @@ def test_ema_inverse_update_is_the_inverse_of_the_factor_ema(d, seed, gamma, sca
     expected = torch.linalg.inv(gamma * L + (1 - gamma) * torch.outer(v, v))
     amplification = 1 + (1 - gamma) * (v @ J @ v).item() / gamma
     tol = 100 * 2.2e-16 * torch.linalg.cond(L).item() * amplification
-    assert rel(F.ema_inverse_update(J, v, gamma), expected) < tol
+    assert rel(factors.ema_inverse_update(J, v, gamma), expected) < tol
 
 
 def test_ema_recursion_matches_an_explicitly_accumulated_factor():
@@ -72,7 +72,7 @@ def test_ema_recursion_matches_an_explicitly_accumulated_factor():
     for k in range(10):
         v = vec(d, k, 1.0)
         L = gamma * L + (1 - gamma) * torch.outer(v, v)
-        J = F.ema_inverse_update(J, v, gamma)
+        J = factors.ema_inverse_update(J, v, gamma)
     assert torch.allclose(J, torch.linalg.inv(L), rtol=1e-11, atol=1e-12)
 
 
@@ -85,13 +85,13 @@ def test_released_update_is_sm_of_the_blended_inverse_and_stays_in_its_bounds():
         v = vec(d, k, [1e-2, 1.0, 30.0][k % 3])
         blended = 0.95 * J + 0.05 * torch.eye(d, dtype=f64)
         expected = torch.linalg.inv(torch.linalg.inv(blended) + torch.outer(v, v))
-        J = F.released_inverse_update(J, v)
+        J = factors.released_inverse_update(J, v)
         assert torch.allclose(J, expected, rtol=1e-9, atol=1e-12)
         lam = torch.linalg.eigvalsh(J)
         # 1e-12 slack: eigvalsh and the update both round at ~1e-16 relative.
         assert lam.max() <= 1 + 1e-12
         assert lam.min() >= 1 / (20 + (v @ v).item()) - 1e-12
-        assert not F.needs_stabilising(J, 2.0)
+        assert not factors.needs_stabilising(J, 2.0)
 
 
 def test_paper_variant_first_trigger_at_update_14():
@@ -103,8 +103,8 @@ def test_paper_variant_first_trigger_at_update_14():
     v[0] = 1.0
     first = None
     for k in range(1, 30):
-        J = F.ema_inverse_update(J, v, 0.95)
-        if first is None and F.needs_stabilising(J, 2.0):
+        J = factors.ema_inverse_update(J, v, 0.95)
+        if first is None and factors.needs_stabilising(J, 2.0):
             first = k
     assert first == math.ceil(math.log(2) / math.log(1 / 0.95)) == 14
 
@@ -114,34 +114,34 @@ def test_stabiliser_blend_bound_and_spd(seed, zeta):
     """KT5 / KT3: after the blend max|J_ij| <= zeta max|J_ij| + (1 - zeta), and the
     blend of SPD matrices is SPD (convex combination). Exact up to one rounding."""
     J = torch.linalg.inv(spd(5, seed, cond=100.0))
-    out = F.stabilise(J, zeta)
-    bound = zeta * F.max_entry_norm(J) + (1 - zeta)
-    assert F.max_entry_norm(out) <= bound + 1e-15
+    out = factors.stabilise(J, zeta)
+    bound = zeta * factors.max_entry_norm(J) + (1 - zeta)
+    assert factors.max_entry_norm(out) <= bound + 1e-15
     assert torch.linalg.eigvalsh(out).min() > 0
 
 
 def test_needs_stabilising_treats_nan_as_exceeding():
     """Section 5: the code's `NaN > 2` is False; ours must flag a NaN factor."""
     J = torch.eye(3, dtype=f64)
-    assert not F.needs_stabilising(J, 2.0)
+    assert not factors.needs_stabilising(J, 2.0)
     J[0, 1] = float("nan")
-    assert F.needs_stabilising(J, 2.0)
+    assert factors.needs_stabilising(J, 2.0)
 
 
 def test_factor_update_before_sm_blends_then_updates():
     """ALG lines 5-8: with max|J| > threshold, the result is the SM step of the blend."""
     J = 3.0 * torch.eye(4, dtype=f64)
     v = vec(4, 0, 1.0)
-    out, fired = F.factor_update(J, v, variant="paper", stat_decay=0.9, zeta=0.9, threshold=2.0)
+    out, fired = factors.factor_update(J, v, variant="paper", stat_decay=0.9, zeta=0.9, threshold=2.0)
     assert fired
     # factor_update applies the same map as one affine update (A J + B I - a a^T), so the two
     # differ by float64 rounding of O(1) entries only: 1e-13 relative
-    expected = F.ema_inverse_update(F.stabilise(J, 0.9), v, 0.9)
+    expected = factors.ema_inverse_update(factors.stabilise(J, 0.9), v, 0.9)
     torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-15)
-    out, fired = F.factor_update(torch.eye(4, dtype=f64), v, variant="paper", stat_decay=0.9,
+    out, fired = factors.factor_update(torch.eye(4, dtype=f64), v, variant="paper", stat_decay=0.9,
                                  zeta=0.9, threshold=2.0)
     assert not fired
-    torch.testing.assert_close(out, F.ema_inverse_update(torch.eye(4, dtype=f64), v, 0.9),
+    torch.testing.assert_close(out, factors.ema_inverse_update(torch.eye(4, dtype=f64), v, 0.9),
                                rtol=1e-13, atol=1e-15)
 
 
@@ -151,13 +151,13 @@ def test_factor_update_deferred_and_first_identity():
     J = vec(9, 3, 1.0).reshape(3, 3)
     J = J @ J.T + torch.eye(3, dtype=f64)
     v = vec(3, 4, 1.0)
-    out, fired = F.factor_update(J, v, variant="released", first=True, **RELEASED)
+    out, fired = factors.factor_update(J, v, variant="released", first=True, **RELEASED)
     assert torch.equal(out, torch.eye(3, dtype=f64)) and not fired
-    out, fired = F.factor_update(J, v, variant="released", reset_flag=torch.tensor(True),
+    out, fired = factors.factor_update(J, v, variant="released", reset_flag=torch.tensor(True),
                                  **RELEASED)
     assert torch.equal(out, torch.eye(3, dtype=f64))
-    out, fired = F.factor_update(J, v, variant="released", **RELEASED)  # rounding only, as above
-    torch.testing.assert_close(out, F.released_inverse_update(J, v), rtol=1e-13, atol=1e-15)
+    out, fired = factors.factor_update(J, v, variant="released", **RELEASED)  # rounding only, as above
+    torch.testing.assert_close(out, factors.released_inverse_update(J, v), rtol=1e-13, atol=1e-15)
     assert bool(fired) == bool(out.abs().max() > 2)
 
 
@@ -168,14 +168,14 @@ def test_precondition_splits_bias_and_round_trips_conv_layout():
     gb = torch.randn(3, generator=g, dtype=f64)
     L = spd(3, 1)
     R = spd(9, 2)
-    dW, db = F.precondition(L, R, gW, gb)
+    dW, db = factors.precondition(L, R, gW, gb)
     full = L @ torch.cat([gW.reshape(3, -1), gb[:, None]], 1) @ R
     assert dW.shape == gW.shape
     tol = 1e-13 * max(1.0, full.abs().max().item())  # relative to the largest entry
     assert torch.allclose(dW.reshape(3, -1), full[:, :-1], rtol=0, atol=tol)
     assert torch.allclose(db, full[:, -1], rtol=0, atol=tol)
     eye3, eye9 = torch.eye(3, dtype=f64), torch.eye(9, dtype=f64)
-    dW, db = F.precondition(eye3, eye9, gW, gb)  # KT7: identity factors are exact
+    dW, db = factors.precondition(eye3, eye9, gW, gb)  # KT7: identity factors are exact
     assert torch.equal(dW, gW) and torch.equal(db, gb)
 
 
@@ -186,7 +186,7 @@ def test_rescale_preserves_the_norm_and_guards_zero(mode):
     g = torch.Generator().manual_seed(1)
     gW, gb = torch.randn(4, 5, generator=g, dtype=f64), torch.randn(4, generator=g, dtype=f64)
     dW, db = 7.0 * torch.randn(4, 5, generator=g, dtype=f64), torch.randn(4, generator=g, dtype=f64)
-    oW, ob = F.rescale(dW, db, gW, gb, mode)
+    oW, ob = factors.rescale(dW, db, gW, gb, mode)
 
     def norm(W, b):
         if mode == "joint":
@@ -196,15 +196,15 @@ def test_rescale_preserves_the_norm_and_guards_zero(mode):
     assert torch.isclose(norm(oW, ob), norm(gW, gb), rtol=1e-14)
     assert torch.allclose(oW / dW, (ob / db).mean().expand_as(oW), rtol=1e-12)
     zW, zb = torch.zeros_like(gW), torch.zeros_like(gb)
-    oW, ob = F.rescale(dW, db, zW, zb, mode)
+    oW, ob = factors.rescale(dW, db, zW, zb, mode)
     assert torch.equal(oW, zW) and torch.equal(ob, zb)
-    oW, ob = F.rescale(zW, zb, gW, gb, mode)
+    oW, ob = factors.rescale(zW, zb, gW, gb, mode)
     assert torch.equal(oW, gW) and torch.equal(ob, gb)
-    oW, ob = F.rescale(torch.full_like(dW, float("nan")), db, gW, gb, mode)
+    oW, ob = factors.rescale(torch.full_like(dW, float("nan")), db, gW, gb, mode)
     assert torch.equal(oW, gW) and torch.equal(ob, gb)
-    oW, ob = F.rescale(torch.full_like(dW, float("inf")), db, gW, gb, mode)  # inf norm
+    oW, ob = factors.rescale(torch.full_like(dW, float("inf")), db, gW, gb, mode)  # inf norm
     assert torch.equal(oW, gW) and torch.equal(ob, gb)
-    oW, _ = F.rescale(dW, None, gW, None, mode)  # no bias
+    oW, _ = factors.rescale(dW, None, gW, None, mode)  # no bias
     assert torch.isclose(oW.norm(), gW.norm(), rtol=1e-14)
 
 
@@ -219,8 +219,8 @@ def test_factor_functions_make_no_host_sync(monkeypatch):
     for name in ("__bool__", "item", "__float__", "__int__", "tolist", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, boom)
     for variant in ("paper", "released"):
-        F.factor_update(J, v, variant=variant, stat_decay=0.95, zeta=0.9, threshold=2.0,
+        factors.factor_update(J, v, variant=variant, stat_decay=0.95, zeta=0.9, threshold=2.0,
                         first=torch.tensor(False), reset_flag=torch.tensor(True))
-    dW, db = F.precondition(J, torch.eye(5, dtype=f64), gW, gb)
-    F.rescale(dW, db, gW, gb, "joint")
-    F.rescale(dW, db, gW, gb, "sum_of_norms")
+    dW, db = factors.precondition(J, torch.eye(5, dtype=f64), gW, gb)
+    factors.rescale(dW, db, gW, gb, "joint")
+    factors.rescale(dW, db, gW, gb, "sum_of_norms")
