@@ -1,2 +1,2 @@
-"""The mutation harness (``harness``) and its curated mutants (``mutants``: MKOR, K-FAC and LAMB;
-``mutants_mars``, ``mutants_mars_properties``): ``python -m theory_tests.mutation``."""
+"""The mutation harness (``harness``) and its curated mutants (``mutants/``, one module per code
+area they mutate, keyed by claims row): ``python -m theory_tests.mutation``."""

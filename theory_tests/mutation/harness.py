@@ -2,7 +2,7 @@
 
     python -m theory_tests.mutation [--jobs 2] [--only ID ...] [--list] [--json FILE]
 
-A mutant (``theory_tests/mutation/mutants.py``) is a one-line bug in the math a row of
+A mutant (``theory_tests/mutation/mutants/``, one module per code area) is a one-line bug in the math a row of
 ``paper_notes/claims.md`` covers: an exact text replacement in one file of ``reference/`` or
 ``torch_impl/``. For each mutant the harness copies the project's code to a temporary
 directory (one per worker, made once), applies the replacement there (the working tree is

@@ -1,7 +1,8 @@
 """One mutant: an exact text replacement in one file (``old`` occurs there exactly once), or
 several applied together (``also``: a bug shared by the oracle and the port, which a
-differential test cannot see). Lists of them: ``mutants.py`` (MKOR, K-FAC) and
-``mutants_mars.py``, ``mutants_mars_properties.py`` (MARS, MARS-M); the runner: ``harness.py``."""
+differential test cannot see). Lists of them: ``mutants/``, one module per code area (``mars``,
+``mkor``, ``kronecker``, ``kronecker_capture``, ``kronecker_experts``, ``baselines``, ``common``,
+...), keyed by claims row; the runner: ``harness.py``."""
 from dataclasses import dataclass
 
 __all__ = ["Mutant"]

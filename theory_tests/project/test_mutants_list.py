@@ -1,4 +1,4 @@
-"""The curated mutant list (``theory_tests/mutation/mutants.py``) follows the code and the claim index:
+"""The curated mutant list (``theory_tests/mutation/mutants/``) follows the code and the claim index:
 every key is a row of ``paper_notes/claims.md``, every mutant's text occurs exactly once in
 its file (so it still applies), changes it, and every equivalent mutant says why. Running the
 mutants is ``python -m theory_tests.mutation`` (minutes, not part of ``pytest``)."""

@@ -1,27 +1,25 @@
-"""Curated mutants of a newcomer's first hour (row PORT-NEWCOMER, issue 30 item 6): a README
-block that leans on an earlier one or on the checkout without saying so, a CPU step that is
-no longer the CPU build or no longer a version the project accepts, the FSDP2 example's
-missing-transformers message and ``--help`` note, and the license and build metadata.
+"""Mutants of what a newcomer runs: the README's and the engine page's examples,
+``pyproject.toml``, the example scripts (``torch_impl/examples/``), keyed by the
+``paper_notes/claims.md`` row whose tests must kill them (``theory_tests/mutation/mutant.py``
+says what a mutant is)."""
+from ..mutant import Mutant
 
-The same format as ``mutants.py``. Each mutant names the tests that kill it: tests that need
-only what the harness copies (``harness.py``'s ``COPIED``; the LICENSE and ``.ci/`` are not
-copied, so the tests that read them, ``test_the_license_is_mit``,
-``test_setuptools_reads_the_license_without_a_warning``, the wheel test and
-``test_ci_runs_the_readme_commands``, fail on any copy and would kill every mutant)."""
-from .mutant import Mutant
+__all__ = ["MUTANTS"]
 
-README, MKOR_README = "README.md", "torch_impl/kronecker/README.md"
-FSDP2, PYPROJECT = "torch_impl/examples/fsdp2_train.py", "pyproject.toml"
+README = "README.md"
+PYPROJECT = "pyproject.toml"
+T_FSDP2_TRAIN = "torch_impl/examples/fsdp2_train.py"
+T_README = "torch_impl/kronecker/README.md"
 
 _R = "theory_tests/project/test_readme.py::"
+CPU_STEP = (_R + "test_the_cpu_build_of_torch_is_a_command_before_the_install",)
 _P = "theory_tests/project/test_packaging.py::"
+EXAMPLE = (_P + "test_shipped_modules_need_only_the_library_and_the_fsdp2_example_says_what_it_needs",)
 RUNS_ALONE = (_R + "test_python_examples_run",)
 SAYS_ROOT = (_R + "test_a_block_that_needs_the_checkout_says_so",)
-CPU_STEP = (_R + "test_the_cpu_build_of_torch_is_a_command_before_the_install",)
-EXAMPLE = (_P + "test_shipped_modules_need_only_the_library_and_the_fsdp2_example_says_what_it_needs",)
 SPDX = (_P + "test_pyproject_names_the_license_by_its_spdx_id",)
 
-NEWCOMER_MUTANTS = {
+MUTANTS = {
     "PORT-NEWCOMER": [
         # The MARS-M block uses torch without importing it (it ran after the MARS block's).
         Mutant(README, "```python\nimport torch\nfrom torch_impl import MARSM, MARS_M, MARS_M_Efficient\n",
@@ -36,16 +34,16 @@ NEWCOMER_MUTANTS = {
         Mutant(README, "pip install torch==2.13.0 --index-url", "pip install torch==3.0.0 --index-url",
                tests=CPU_STEP),
         # The payload_bytes block of the MKOR page uses MKOR without importing it.
-        Mutant(MKOR_README, "from torch_impl import KFAC, MKOR\n", "from torch_impl import KFAC\n",
+        Mutant(T_README, "from torch_impl import KFAC, MKOR\n", "from torch_impl import KFAC\n",
                tests=RUNS_ALONE),
         # A missing transformers raises the bare ImportError, without the install command.
-        Mutant(FSDP2, '        raise ImportError(f"torch_impl.examples.fsdp2_train {NEEDS} ({error})") from error\n',
+        Mutant(T_FSDP2_TRAIN, '        raise ImportError(f"torch_impl.examples.fsdp2_train {NEEDS} ({error})") from error\n',
                "        raise\n", tests=EXAMPLE),
         # --help no longer says what the example needs.
-        Mutant(FSDP2, '                                epilog=f"This example {NEEDS}.")\n',
+        Mutant(T_FSDP2_TRAIN, '                                epilog=f"This example {NEEDS}.")\n',
                "                                epilog=None)\n", tests=EXAMPLE),
         # transformers imported when the module is (so --help and the message never show).
-        Mutant(FSDP2, "from torch_impl import KFAC, MARS, MARSM, MKOR\n",
+        Mutant(T_FSDP2_TRAIN, "from torch_impl import KFAC, MARS, MARSM, MKOR\n",
                "from torch_impl import KFAC, MARS, MARSM, MKOR\nfrom transformers import LlamaConfig\n",
                tests=EXAMPLE),
         # The extra the message names brings nothing.
