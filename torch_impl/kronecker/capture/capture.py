@@ -137,6 +137,7 @@ class Capture:
         #: layers whose forward ran in eval() mode on a capture step (not captured)
         self.eval_seen = set()
         self.capturing = False  # should_capture() as of the last refresh (the hooks' gate)
+        self._new_all_rows = []  # layers the last finish_capture_step moved to all rows
 
     # -- what the report reads ----------------------------------------------------------
     @property
@@ -445,7 +446,7 @@ class Capture:
 
     def all_rows_new(self):
         """Layers the last :meth:`finish_capture_step` moved to all rows."""
-        return getattr(self, "_new_all_rows", [])
+        return self._new_all_rows
 
     def unpaired(self):
         """Names of layers holding forwards that never received a gradient
