@@ -7,7 +7,7 @@ K-FAC on two models, median of interleaved rounds in one process:
   ``attention_mask`` (the row tracker follows it through the model) and without;
 * the MLP of ``figures.bench`` (4 x Linear(1024), batch 1024): no mask.
 
-each with ``self_check=None`` and ``self_check=1`` (every capture step checked), so the
+each with ``self_check=None`` and ``self_check=True`` (every capture step checked), so the
 ratios give the tracker's and the self-check's cost per capture step. Measurements belong in
 ``figures/bench/README.md``; this machine's numbers are noisy.
 """
@@ -85,7 +85,7 @@ def main(argv=None):
     contenders = {}
     for model_kind, masked in (("bert", True), ("bert", False), ("mlp", False)):
         for cls in (MKOR, KFAC):
-            for check in (None, 1):
+            for check in (None, True):
                 step = _stepper(model_kind, cls, masked, check, args.mlp_width)
                 if step is not None:
                     label = (f"{model_kind}{' masked' if masked else ''} {cls.__name__} "
@@ -106,7 +106,7 @@ def main(argv=None):
     print("|---|---|---|")
     for label, ts in times.items():
         med = statistics.median(ts)
-        base = label.replace("self_check=1", "self_check=None")
+        base = label.replace("self_check=True", "self_check=None")
         ratio = med / statistics.median(times[base]) if base in times else float("nan")
         print(f"| {label} | {med * 1e3:.1f} | {ratio:.3f} |")
     return times

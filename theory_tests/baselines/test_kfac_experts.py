@@ -289,11 +289,16 @@ def test_the_kl_clip_sums_every_experts_term():
     kfac = _kfac(_mixtral(), kl_clip=1e-3)
     g = torch.Generator().manual_seed(12)
     G_hat, V = (torch.randn(4, 3, 5, generator=g, dtype=f64) for _ in range(2))
-    stacked = kfac._kl_clip_factor([(None, None, G_hat, V, False)])
-    alone = kfac._kl_clip_factor([(None, None, G_hat[e], V[e], False) for e in range(4)])
+    yes = torch.tensor(True)
+    every = yes.expand(4, 1, 1)
+    stacked = kfac._kl_clip_factor([(None, None, G_hat, V, False, every)])
+    alone = kfac._kl_clip_factor([(None, None, G_hat[e], V[e], False, yes) for e in range(4)])
     assert 0 < float(stacked) < 1 and _close(stacked, alone)
-    first = kfac._kl_clip_factor([(None, None, G_hat[0], V[0], False)])
+    first = kfac._kl_clip_factor([(None, None, G_hat[0], V[0], False, yes)])
     assert not _close(stacked, first)
+    # an expert whose factors never took a statistic is not preconditioned: no term of its
+    only_first = torch.tensor([True, False, False, False]).view(4, 1, 1)
+    assert _close(kfac._kl_clip_factor([(None, None, G_hat, V, False, only_first)]), first)
 
 
 def test_payload_counts_each_expert_and_its_row_count():

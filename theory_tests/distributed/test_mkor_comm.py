@@ -218,6 +218,27 @@ def _checkpoint_overlap(rank, world):
     return out
 
 
+def _refused_overlap(rank, world):
+    """A layer whose gradient is exactly 0 at step 0 (the next layer's weight is 0, as LoRA's
+    B): the self-check refuses its statistics after the early launch carried them, so that
+    launch is dropped for one without them; the run equals the non-overlapped one."""
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2)).double()
+        with torch.no_grad():
+            model[1].weight.zero_()
+        mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=1,
+                    factor_dtype="float64", comm_overlap=overlap)
+        for t in range(3):
+            x, y = _branchy_batch(t, rank)
+            Fn.mse_loss(model(x), y[:, :2]).backward()
+            mkor.step()
+            mkor.zero_grad()
+        out[overlap] = {"factors": mkor.inverse_factors(), "counters": mkor.counters()}
+    return out
+
+
 def _overflow(rank, world):
     """float16 wire: a g_bar beyond 65504 becomes inf, and the update is skipped."""
     torch.manual_seed(0)
@@ -247,6 +268,7 @@ def _comm_job(rank, world):
     return {"precision": _reduced_precision(rank, world),
             "partial": _partial_capture(rank, world), "stale": _stale_overlap(rank, world),
             "checkpoint": _checkpoint_overlap(rank, world),
+            "refused": _refused_overlap(rank, world),
             "overflow": _overflow(rank, world), "hybrid": _hybrid(rank, world)}
 
 
@@ -341,6 +363,15 @@ def test_a_launch_before_a_checkpoints_recompute_is_discarded(comm_ranks):
                 assert torch.equal(a, b)
         p = overlap["payload"]
         assert (plain["bytes"], overlap["bytes"]) == (3 * p, 6 * p)
+
+
+def test_statistics_refused_after_an_overlapped_launch_never_reach_a_factor(comm_ranks):
+    for res in comm_ranks:
+        plain, overlap = res["refused"][False], res["refused"][True]
+        assert plain["counters"]["0"]["updates_g"].item() == 2  # step 0's were refused
+        for name, pair in plain["factors"].items():
+            for a, b in zip(pair, overlap["factors"][name]):
+                assert torch.equal(a, b)
 
 
 def test_mkor_h_switches_on_the_same_step_on_every_rank(comm_ranks):

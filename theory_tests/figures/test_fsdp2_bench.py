@@ -8,6 +8,7 @@ from figures.bench import fsdp2 as bench
 WIDTH, LAYERS, WORLD = 8, 2, 2
 G = WIDTH * (WIDTH + 1) * 4  # one layer's weight + bias bytes (float32), 288
 S = (WIDTH ** 2 + (WIDTH + 1) ** 2) * 4  # one layer's K-FAC sums, G and A (d_out^2 + d_in'^2), 580
+CHECK = 3 * 8  # one layer's self-check verdicts (padding, ratio, S; float64), every capture step
 
 
 def test_fsdp2_bench_counts_equal_formulas_on_two_ranks():
@@ -34,11 +35,11 @@ def test_fsdp2_bench_counts_equal_formulas_on_two_ranks():
                 assert r["payload_bytes"] == stats[opt]
                 if (opt, placement, parallel) == ("K-FAC", "owner", "fsdp2"):
                     # one reduce per owner: every rank sends both packets, gets its own back
-                    assert r["bytes"]["stats_all_reduce"] == [0, 0]
+                    assert r["bytes"]["stats_all_reduce"] == [LAYERS * CHECK] * 2
                     assert r["bytes"]["stats_reduce"] == [stats[opt], S]
                     assert r["bytes"]["kl_all_reduce"] == [4, 4]  # one float32 scalar
                 else:  # DDP: nothing sharded, nothing owned
-                    assert r["bytes"]["stats_all_reduce"] == [stats[opt]] * 2
+                    assert r["bytes"]["stats_all_reduce"] == [stats[opt] + LAYERS * CHECK] * 2
                     assert r["bytes"]["stats_reduce"] == [0, 0]
                     assert r["bytes"]["kl_all_reduce"] == [0, 0]
             f = row["fsdp2"]["bytes"]
@@ -77,14 +78,14 @@ def test_fsdp2_bench_formulas_at_four_ranks():
     # owning nothing receives none; DDP all-reduces as before; one rank reduces nothing
     kown = bench.formulas(w, 4, "K-FAC", "owner", "fsdp2", owned=[0])
     assert kown["stats_reduce"] == [LAYERS * S, S]
-    assert kown["stats_all_reduce"] == [0, 0]
+    assert kown["stats_all_reduce"] == [LAYERS * CHECK] * 2
     assert kown["kl_all_reduce"] == [4, 4]
     assert kown["precond_gather"] == own["precond_gather"]
     assert kown["precond_scatter"] == own["precond_scatter"]
     assert bench.formulas(w, 4, "K-FAC", "owner", "fsdp2", owned=[])["stats_reduce"] == [
         LAYERS * S, 0]
     kddp = bench.formulas(w, 4, "K-FAC", "owner", "ddp")
-    assert kddp["stats_all_reduce"] == [LAYERS * S] * 2
+    assert kddp["stats_all_reduce"] == [LAYERS * (S + CHECK)] * 2
     assert kddp["stats_reduce"] == kddp["kl_all_reduce"] == [0, 0]
     one = bench.formulas(w, 1, "K-FAC", "owner", "fsdp2", owned=list(range(LAYERS)))
     assert one["stats_reduce"] == one["stats_all_reduce"] == [0, 0]

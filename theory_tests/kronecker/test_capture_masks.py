@@ -466,7 +466,7 @@ def test_a_model_whose_own_decoder_mask_hides_a_real_row_is_caught_by_the_paddin
         model(input_ids=ids, attention_mask=_mask(), labels=labels).loss.backward()
         pre.step()
     report = pre.capture_report()
-    failed = {n for n in pre.preconditioned_modules if report[n]["self_check"].get("padding")
+    failed = {n for n in report if report[n]["self_check"].get("padding")
               == "fail"}
     assert "decoder.bert.encoder.layer.0.output.dense" in failed
     assert failed <= set(pre.unmasked_reasons)
@@ -477,22 +477,27 @@ def test_a_model_whose_own_decoder_mask_hides_a_real_row_is_caught_by_the_paddin
     check(pre, obs, {n: None for n in failed}, model)
 
 
-def test_self_check_is_scheduled_and_can_be_turned_off():
+def test_self_check_runs_on_every_capture_step_and_can_be_turned_off():
+    """Every capture step whose statistics enter a factor is checked (inv_freq=2: steps 0, 2,
+    4, 6); None and False turn it off; the former every-k-th schedule is refused by name."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-    pre = _mkor(model, self_check=3)
-    off = _mkor(nn.Sequential(nn.Linear(3, 2)).double(), self_check=None)
+    pre = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=2)
+    offs = [_mkor(nn.Sequential(nn.Linear(3, 2)).double(), self_check=v) for v in (None, False)]
     runs = []
     for step in range(7):
-        for p in (pre, off):
+        for p in (pre, *offs):
             p.model(torch.randn(5, 3, dtype=f64)).square().sum().backward()
             p.step()
             p.zero_grad()
         runs.append(pre._capture.check.checks_run)
-    assert runs == [1, 1, 1, 2, 2, 2, 3]  # capture steps 0, 3, 6
-    assert off._capture.check.checks_run == 0 and off.capture_report()["0"]["self_check"] == {}
-    with pytest.raises(ValueError, match="self_check"):
-        _mkor(model, self_check=0)
+    assert runs == [1, 1, 2, 2, 3, 3, 4]
+    for off in offs:
+        assert off._capture.check.checks_run == 0
+        assert off.capture_report()["0"]["self_check"] == {}
+    for bad in (0, 1, 3, "yes"):
+        with pytest.raises(ValueError, match="self_check"):
+            _mkor(model, self_check=bad)
 
 
 # -- 7. discovery follows the model ------------------------------------------------------------

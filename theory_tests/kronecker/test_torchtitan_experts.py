@@ -113,7 +113,7 @@ def test_under_bf16_autocast_the_stacks_pass_the_self_check():
     torch.manual_seed(0)
     model = Routed(grouped_experts(D, F, E, dtype=torch.float32), routing(T, K, COUNTS), D,
                    dtype=torch.float32)
-    pre = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=1, self_check=1)
+    pre = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), inv_freq=1, self_check=True)
     for amp in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             out = model(torch.randn(T, D))

@@ -138,7 +138,10 @@ class KFAC(PreconditionedOptimizer):
             (1.0, 1.0); must stay so with "batch").
         factor_placement: under FSDP2, where a sharded layer's factors live: "replicated"
             (default; on every rank) or "owner" (on one rank per layer: module docstring).
-        self_check: as for MKOR (default 10; None: never).
+        self_check: as for MKOR (default True: every capture; None or False: never). As
+            there, a layer whose factors have taken no statistic yet is not preconditioned
+            (its gradient goes to the backbone unchanged, and it takes no part in the KL
+            clip).
     """
 
     _state_key = "kfac"
@@ -147,7 +150,7 @@ class KFAC(PreconditionedOptimizer):
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
                  grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
                  grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
-                 factor_init_scale=(1.0, 1.0), factor_placement="replicated", self_check=10):
+                 factor_init_scale=(1.0, 1.0), factor_placement="replicated", self_check=True):
         self._bind(model, optimizer, grad_scaler)
         check_int("inv_freq", inv_freq, low=1)
         check_int("factor_freq", factor_freq, low=1)
@@ -276,6 +279,10 @@ class KFAC(PreconditionedOptimizer):
 
     def factor_update_due(self):
         return not self._detached and self._steps % self.factor_freq == 0
+
+    def _layers_with_statistics(self):
+        return [name for name, s in self._state.items()
+                if not s or bool((s["updates"] > 0).any())]
 
     def factors(self):
         """{name: (A, G)} of the current factor EMAs (None for an identity side), for the
@@ -476,15 +483,15 @@ class KFAC(PreconditionedOptimizer):
         dev = self._layers[0].module.weight.device
         vg = torch.zeros((), dtype=self._dtype, device=dev)
         owned = torch.zeros((), dtype=self._dtype, device=dev)
-        for _, _, G_hat, V, owner_placed in work:
+        for _, _, G_hat, V, owner_placed, seen in work:
             if V is None:
                 continue
-            term = (V * G_hat).sum().to(dev)
+            term = torch.where(seen, V * G_hat, 0).sum().to(dev)  # the preconditioned only
             if owner_placed:
                 owned = owned + term
             else:
                 vg = vg + term
-        if any(owner_placed for *_, owner_placed in work):
+        if any(owner_placed for *_, owner_placed, _ in work):
             dist.all_reduce(owned, group=next(iter(self._owners.values()))[1])
             vg = vg + owned
         lr = self.optimizer.param_groups[0]["lr"]
@@ -529,15 +536,19 @@ class KFAC(PreconditionedOptimizer):
             # FSDP2: the whole gradients, on every rank or on the owner (kronecker.placement)
             grads = FullGradients(layer.module) if owner is None else OwnerGradients(
                 layer.module, *owner)
-            G_hat = V = None
+            G_hat = V = seen = None
             if grads.weight is not None and "decomposed" in s:
                 G_hat = self._gradient_matrix(layer, grads)
-                V = preconditioned_gradient(s, G_hat, self.damping, self.method)
-            work.append((layer, grads, G_hat, V, owner is not None))
+                # factors that never took a statistic transform nothing (no sync: a where)
+                seen = _per_matrix(s["updates"] > 0)
+                V = torch.where(seen, preconditioned_gradient(s, G_hat, self.damping,
+                                                              self.method), G_hat)
+            work.append((layer, grads, G_hat, V, owner is not None, seen))
         nu = self._kl_clip_factor(work) if self.kl_clip is not None and work else None
-        for layer, grads, _, V, _ in work:
+        for layer, grads, _, V, _, seen in work:
             if V is not None:
-                self._write(layer, grads, V if nu is None else V * nu.to(V.device))
+                scale = None if nu is None else torch.where(seen, nu.to(V.device), 1.0)
+                self._write(layer, grads, V if scale is None else V * scale)
             grads.write_back()
         self._steps += 1
         self._step_scale = None

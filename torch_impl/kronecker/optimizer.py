@@ -170,18 +170,31 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     # -- what is preconditioned, and why (:mod:`.report`) -------------------------------
     @property
     def preconditioned_modules(self):
-        """Names of the preconditioned modules (in ``named_modules`` order)."""
-        return [layer.name for layer in self._layers]
+        """Names of the preconditioned modules (in ``named_modules`` order): the layers
+        discovery took, less those released by the self-check and, after the first capture
+        step, those whose factors have taken no statistic yet (:mod:`.capture.ledger`)."""
+        return [layer.name for layer in self._layers if self._why_not(layer.name) is None]
+
+    def _why_not(self, name):
+        """Why a discovered layer is not preconditioned now, or None."""
+        capture = self._capture
+        return capture.check.released.get(name) or capture.ledger.reason(name)
 
     @property
     def skipped_modules(self):
         """Names of modules with parameters that go to the backbone unpreconditioned."""
-        return list(self._skipped)
+        return list(self.skip_reasons)
 
     @property
     def skip_reasons(self):
-        """{module name: why it is not preconditioned}."""
-        return dict(self._skipped)
+        """{module name: why it is not preconditioned} (discovery's reasons, the self-check's
+        releases, and the layers waiting for their first accepted statistic)."""
+        reasons = dict(self._skipped)
+        for layer in self._layers:
+            why = self._why_not(layer.name)
+            if why is not None:
+                reasons.setdefault(layer.name, why)
+        return reasons
 
     @property
     def unmasked_reasons(self):
@@ -208,14 +221,14 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         its last checked capture ({"padding": "pass" | "fail", "weight": "pass" | "fail",
         "ratio": discrepancy / rounding bound, ...}, empty until checked)."""
         capture = self._capture
-        released = capture.check.released
         rows = {}
         for layer in self._layers:
             name = layer.name
             count = capture.last_rows.get(name)
+            why = self._why_not(name)
             rows[name] = {
-                "preconditioned": name not in released,
-                "reason": released.get(name),
+                "preconditioned": why is None,
+                "reason": why,
                 "mask": capture.mask_source.get(name, "not captured yet"),
                 "unmasked": capture.unmasked.get(name),
                 "rows": None if count is None else row_count(count),
@@ -264,7 +277,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     def _finish_capture(self):
         """On a step that consumes statistics: the self-check's verdicts
         (:mod:`.self_check`) and what the model changed since construction (a layer
-        unfrozen, a layer run in ``eval()`` inside a model in training), each told once."""
+        unfrozen, a layer run in ``eval()`` inside a model in training), each told once.
+        Returns the layers whose statistics of this step were refused."""
         name = type(self).__name__
         for layer in self._capture.finish_capture_step(self.process_group):
             reason = self._capture.check.released[layer]
@@ -291,9 +305,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             self._warned_eval.update(seen)
             warnings.warn(f"{name}: {', '.join(seen)} ran in eval() mode on a step that captures "
                           "statistics: statistics are captured in train mode only, so these "
-                          "layers keep the factors they have (the identity if never captured) "
-                          "while their gradients are still preconditioned and rescaled",
+                          "layers keep the factors they have while their gradients are still "
+                          "preconditioned and rescaled (a layer whose factors never took a "
+                          "statistic is not: its gradient goes to the backbone unchanged)",
                           UserWarning, stacklevel=4)
+        return self._capture.refused_last()
 
     @property
     def hooks_registered(self):
@@ -367,6 +383,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.precondition()
         self.optimizer.step()
         return closure_loss
+
+    def _layers_with_statistics(self):
+        """Names of the layers whose factors have taken a statistic (read after a load: one
+        host synchronisation); each method reads its own counters."""
+        raise NotImplementedError
 
     def _observe(self, loss):
         """This step's loss (or None), before :meth:`precondition`; MKOR-H overrides."""
@@ -473,6 +494,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         except Exception:
             self.load_preconditioner_state_dict(backup)
             raise
+        self._capture.ledger.restore(self._layers_with_statistics(), self._steps)
         self._capture.refresh()  # the restored step count decides the next capture
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

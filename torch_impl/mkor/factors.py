@@ -298,7 +298,7 @@ def _one_sided(L_inv, R_inv, G, grad_b, out, shape):
     return W.reshape(shape), torch.addmv(R_inv[d, d] * grad_b.reshape(-1), G, R_inv[:d, d])
 
 
-def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
+def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None, gate=None):
     r"""Norm-preserving rescale of the preconditioned step (K14, ALG line 10).
 
     .. math::
@@ -311,11 +311,13 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
     oracle: when the gradient norm is 0 or the update norm is 0 or not finite, the raw
     gradient is returned, so nothing here produces NaN or inf. All tests are
     ``torch.where`` on 0-d tensors (no host sync). ``out_W`` (may be ``grad_W`` itself)
-    receives the weight block, so no matrix is allocated.
+    receives the weight block, so no matrix is allocated. ``gate`` (engine, not paper): a
+    bool tensor (per expert for a stack), False where the raw gradient must be returned
+    (a layer whose factors have taken no statistic yet).
     """
     has_b = grad_b is not None
     if grad_W.dim() == 3:  # a stack of experts: one s per expert
-        return _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W)
+        return _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W, gate)
     if mode == "joint":
         grad_norm = torch.linalg.vector_norm(grad_W).square()
         delta_norm = torch.linalg.vector_norm(delta_W).square()
@@ -332,6 +334,8 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
     else:
         raise ValueError(f"rescale mode must be 'joint' or 'sum_of_norms', got {mode!r}")
     usable = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)
+    if gate is not None:
+        usable = usable & gate
     # A safe denominator keeps the branch where() discards free of 0/0.
     s = grad_norm / torch.where(usable, delta_norm, torch.ones_like(delta_norm))
     # A finite ||Delta|| means every entry of Delta is finite, and |s Delta_i| <= ||grad||, so
@@ -341,7 +345,7 @@ def rescale(delta_W, delta_b, grad_W, grad_b=None, mode="joint", out_W=None):
     return out_W, out_b
 
 
-def _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W):
+def _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W, gate=None):
     """rescale() of each expert of a stack with its own norms (the same rule and guard)."""
     def norm(x, dims):
         return torch.linalg.vector_norm(x, dim=dims)
@@ -357,6 +361,8 @@ def _rescale_stack(delta_W, delta_b, grad_W, grad_b, mode, out_W):
     if joint:
         grad_norm, delta_norm = grad_norm.sqrt(), delta_norm.sqrt()
     usable_e = (grad_norm != 0) & (delta_norm > 0) & torch.isfinite(delta_norm)
+    if gate is not None:
+        usable_e = usable_e & gate
     s = grad_norm / torch.where(usable_e, delta_norm, torch.ones_like(delta_norm))
     out_W = torch.where(usable_e[:, None, None], delta_W * s[:, None, None], grad_W, out=out_W)
     out_b = torch.where(usable_e[:, None], delta_b * s[:, None], grad_b) if has_b else None

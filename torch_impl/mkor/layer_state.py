@@ -186,9 +186,11 @@ def _precondition_gradients(layer, s, rule, workspace, grads):
     # No dtype cast and a view of the gradient: write the result straight into it.
     in_place = grad_W is matrix and (matrix is grads.weight or matrix._base is grads.weight)
     counted_b = bias_grad is not None
+    # factors that never took a statistic transform nothing: the raw gradient (per expert)
+    seen = (s["updates_a"] + s["updates_g"]) > 0
     delta_W, delta_b = rescale(delta_W, delta_b if counted_b else None, grad_W,
                                grad_b if counted_b else None, rule.rescale,
-                               out_W=matrix if in_place else None)
+                               out_W=matrix if in_place else None, gate=seen)
     if not in_place:
         if grads.sharded:
             matrix.copy_(delta_W)

@@ -155,10 +155,14 @@ class MKOR(PreconditionedOptimizer):
             size: factor memory divided by the world size; the owner gathers the
             gradient, preconditions it and scatters the rows back). :mod:`.fsdp`.
         process_group: process group for averaging vectors (default: the world).
-        self_check: check each capture (:mod:`.self_check`) on the first capture step and
-            every ``self_check``-th after it (default 10; None: never): padding rows carry
-            no gradient, and each weight's gradient is the sum of g a^T over its captured
-            rows; a violation falls back and is reported (:meth:`capture_report`).
+        self_check: True (default): check every capture whose statistics enter a factor
+            (:mod:`torch_impl.kronecker.capture.self_check`): padding rows carry no
+            gradient, and each weight's gradient is the sum of g a^T over its captured rows;
+            a violation falls back and is reported (:meth:`capture_report`), and a zero
+            gradient proves nothing (its statistics wait for a nonzero one). None or False:
+            never. A layer whose factors have taken no statistic yet is not preconditioned:
+            its gradient goes to the backbone unchanged, and it is listed in
+            :attr:`skip_reasons` with the reason.
         comm_overlap: launch the vector all-reduce asynchronously as soon as a backward
             pass has reached every captured layer, instead of in :meth:`step` (same
             result; every rank must run the same forward/backward structure, and with
@@ -184,7 +188,7 @@ class MKOR(PreconditionedOptimizer):
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, max_factor_dim=8192,
                  token_mask="attention_mask", factor_placement="replicated", grad_scaler=None,
-                 process_group=None, comm_overlap=False, self_check=10):
+                 process_group=None, comm_overlap=False, self_check=True):
         self._bind(model, optimizer, grad_scaler)
         self.options = o = MKOROptions(
             inv_freq=inv_freq, stat_decay=stat_decay, variant=variant, zeta=zeta,
@@ -407,7 +411,9 @@ class MKOR(PreconditionedOptimizer):
                     "never got a backward; with grad_hook='module' gradients cannot be paired "
                     "with their forward. Run such forwards under torch.no_grad() or eval(), "
                     "or use grad_hook='tensor' (the default), which pairs them exactly.")
-            self._finish_capture()
+            refused = self._finish_capture()
+            if refused:  # an early (comm_overlap) launch carried the refused statistics
+                self._exchange.drop()
             self._update_factors()
         self._capture.reset()
         released = self._capture.check.released
@@ -476,6 +482,10 @@ class MKOR(PreconditionedOptimizer):
             return out
         return self._exchange.exchange(
             pending, None if self._progress is None else self._progress.commits)
+
+    def _layers_with_statistics(self):
+        return [name for name, s in self._state.items()
+                if not s or bool(((s["updates_a"] + s["updates_g"]) > 0).any())]
 
     def _update_factors(self):
         for layer, a_bar, g_bar, present in self._vectors():

@@ -91,8 +91,8 @@ MUTANTS = {
     ],
     "PORT-FSDP2": [
         # K-FAC's rows never written back
-        Mutant(T_KFAC, "                self._write(layer, grads, V if nu is None else V * nu.to(V.device))\n            grads.write_back()",
-               "                self._write(layer, grads, V if nu is None else V * nu.to(V.device))"),
+        Mutant(T_KFAC, "                self._write(layer, grads, V if scale is None else V * scale)\n            grads.write_back()",
+               "                self._write(layer, grads, V if scale is None else V * scale)"),
         # K-FAC owner placement: the owners' KL-clip terms not summed over the ranks (each
         # rank clips with its own layers' sum); the statistics reduced to rank 0 whoever owns
         Mutant(T_KFAC, "            dist.all_reduce(owned, group=next(iter(self._owners.values()))[1])",
@@ -170,8 +170,8 @@ MUTANTS = {
                "    M = (F + F.mT.flip(tuple(range(F.dim() - 2)))) / 2 if attempt == 0 else "
                "(F + F.mT).double() / 2"),
         # the KL clip's sum over layers averaged over a stack's experts
-        Mutant(T_KFAC, "            term = (V * G_hat).sum().to(dev)",
-               "            term = (V * G_hat).sum((-2, -1)).mean().to(dev)"),
+        Mutant(T_KFAC, "            term = torch.where(seen, V * G_hat, 0).sum().to(dev)  # the preconditioned only",
+               "            term = torch.where(seen, V * G_hat, 0).sum((-2, -1)).mean().to(dev)"),
     ],
     "PORT-ACCELERATE-FSDP2": [
         Mutant(T_KFAC, "        if self._binding.moved():",

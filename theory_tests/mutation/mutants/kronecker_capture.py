@@ -10,13 +10,64 @@ T_CAPTURE = "torch_impl/kronecker/capture/capture.py"
 T_EAGER = "torch_impl/kronecker/capture/eager.py"
 T_EXPERTS = "torch_impl/kronecker/capture/experts.py"
 T_HOOKS = "torch_impl/kronecker/capture/hooks.py"
+T_LEDGER = "torch_impl/kronecker/capture/ledger.py"
 T_ROW_PROVENANCE = "torch_impl/kronecker/capture/row_provenance.py"
 T_SELF_CHECK = "torch_impl/kronecker/capture/self_check.py"
 T_STATISTICS = "torch_impl/kronecker/capture/statistics.py"
 T_TOKEN_MASKS = "torch_impl/kronecker/capture/token_masks.py"
 
 
+_ACC = "theory_tests/kronecker/test_accounting.py::"
 MUTANTS = {
+    "PORT-ACCOUNTED": [
+        # A zero gradient counted as a pass (the check proved nothing).
+        Mutant(T_SELF_CHECK, "            elif total == 0 or (total < 0 and ratio == 0):",
+               "            elif False:"),
+        # A check skipped on a capture step whose statistics are used (the old every-10th).
+        Mutant(T_SELF_CHECK, "        self.checking = bool(capturing and self.enabled)",
+               "        self.checking = bool(capturing and self.enabled and self.captures % 10 == 0)"),
+        # A layer counted as having statistics though none entered its factors.
+        Mutant(T_LEDGER, "            elif has_statistics(name):", "            elif True:"),
+        # A vacuous check's statistics not refused: they reach the factors unverified.
+        Mutant(T_CAPTURE, "        for name in list(released) + list(vacuous):",
+               "        for name in list(released):"),
+        # An expert whose own terms all vanished is not refused (its twin Linear would be).
+        Mutant(T_SELF_CHECK, "                self.vacuous_experts[name] = [t == 0 for t in totals]",
+               "                self.vacuous_experts[name] = [False for t in totals]",
+               tests=("theory_tests/mkor/test_experts_port.py::test_an_expert_routed_no_token_counts_no_rows_as_its_twin_does",)),
+        # The refused experts' counts kept: they update as if verified.
+        Mutant(T_STATISTICS, "    if x.numel() == 0:  # an identity side stores nothing",
+               "    if True:",
+               tests=("theory_tests/mkor/test_experts_port.py::test_an_expert_routed_no_token_counts_no_rows_as_its_twin_does",)),
+        # MKOR: identity factors' bf16 product handed on as if preconditioned.
+        Mutant("torch_impl/mkor/layer_state.py", "    seen = (s[\"updates_a\"] + s[\"updates_g\"]) > 0",
+               "    seen = (s[\"updates_a\"] + s[\"updates_g\"]) >= 0"),
+        # K-FAC: factors that never took a statistic (I, damped, clipped) transform the gradient.
+        Mutant("torch_impl/baselines/kfac.py", "                seen = _per_matrix(s[\"updates\"] > 0)",
+               "                seen = _per_matrix(s[\"updates\"] >= 0)"),
+        # K-FAC: an unpreconditioned layer's <G, G> in the KL clip's sum.
+        Mutant("torch_impl/baselines/kfac.py",
+               "            term = torch.where(seen, V * G_hat, 0).sum().to(dev)  # the preconditioned only",
+               "            term = (V * G_hat).sum().to(dev)",
+               tests=("theory_tests/baselines/test_kfac_experts.py::test_the_kl_clip_sums_every_experts_term",)),
+        # K-FAC: the KL clip's factor applied to an unpreconditioned layer's raw gradient.
+        Mutant("torch_impl/baselines/kfac.py",
+               "                scale = None if nu is None else torch.where(seen, nu.to(V.device), 1.0)",
+               "                scale = None if nu is None else nu.to(V.device)"),
+        # comm_overlap: the early launch that carried refused statistics is used anyway.
+        Mutant("torch_impl/mkor/preconditioner.py",
+               "            if refused:  # an early (comm_overlap) launch carried the refused statistics",
+               "            if False:  # an early (comm_overlap) launch carried the refused statistics",
+               tests=("theory_tests/distributed/test_mkor_comm.py::test_statistics_refused_after_an_overlapped_launch_never_reach_a_factor",)),
+        # A checkpoint load forgets which layers' factors took a statistic.
+        Mutant("torch_impl/kronecker/optimizer.py",
+               "        self._capture.ledger.restore(self._layers_with_statistics(), self._steps)",
+               "        self._capture.ledger.restore([], self._steps)"),
+        # The report calls a waiting layer preconditioned.
+        Mutant("torch_impl/kronecker/optimizer.py",
+               "        return capture.check.released.get(name) or capture.ledger.reason(name)",
+               "        return capture.check.released.get(name)"),
+    ],
     "PORT-COMM-OVERLAP": [
         Mutant(T_CAPTURE, "            self.listener.captured(layer)", "            pass"),
     ],
@@ -104,8 +155,8 @@ MUTANTS = {
         Mutant(T_SELF_CHECK, "            run.ratio = torch.where(observed != 0, math.inf, 0.0).to(dtype)",
                "            run.ratio = torch.where(observed != 0, 0.0, 0.0).to(dtype)"),
         # A second use of the weight: the comparison never fails.
-        Mutant(T_SELF_CHECK, "                if ratio > 1 and name not in self.released:",
-               "                if ratio > 1e300 and name not in self.released:"),
+        Mutant(T_SELF_CHECK, "            elif ratio > 1 and not math.isnan(ratio):",
+               "            elif ratio > 1e300 and not math.isnan(ratio):"),
         # The rounding bound a million times too tight: right captures fail.
         Mutant(T_SELF_CHECK, "    return 2 * gamma + 3 * low_unit", "    return (2 * gamma + 3 * low_unit) * 1e-6"),
         # The weight side without the rows the mask dropped is not the padding check's.

@@ -77,6 +77,7 @@ from .eager import EagerCaptureSteps
 from .experts import ExpertRows
 from .guards import _UNKNOWN, CaptureError, _guarded, _in_backward, _named_error, _untracked
 from .hooks import BoundHook, Gated
+from .ledger import Ledger
 from .self_check import SelfCheck
 from .statistics import LayerStatistics
 
@@ -109,8 +110,8 @@ class Capture:
         model: the top-level module; with ``mask_kwarg`` the forwards that take a parameter
             of that name (a 2-D tensor, nonzero = real token) give the token masks
             (:mod:`.token_masks`).
-        self_check: None (off) or k: check each layer's first capture, then every k-th
-            capture step (:mod:`.self_check`).
+        self_check: True: check every capture step whose statistics are consumed;
+            None or False: never (:mod:`.self_check`).
         listener: None, or an object with ``captured(layer)``, ``committed(layer, counted)``
             and ``reset()`` (module docstring).
 
@@ -127,6 +128,7 @@ class Capture:
         self.model = model
         self.listener = listener
         self.check = SelfCheck(self.layers, self_check)
+        self.ledger = Ledger(self.layers)  # which layers' factors have taken a statistic
         self.calls = CallTracker(model, mask_kwarg, self.layers, self.check.all_rows)
         self.statistics = LayerStatistics(self.layers, input_stat, grad_stat)
         self.attention = AttentionOutRows(self)
@@ -138,6 +140,7 @@ class Capture:
         self.eval_seen = set()
         self.capturing = False  # should_capture() as of the last refresh (the hooks' gate)
         self._new_all_rows = []  # layers the last finish_capture_step moved to all rows
+        self._refused = []  # layers whose statistics the last finish_capture_step refused
 
     # -- what the report reads ----------------------------------------------------------
     @property
@@ -364,7 +367,7 @@ class Capture:
         for weight, names in by_weight.values():
             handles.append(weight.register_post_accumulate_grad_hook(
                 BoundHook(self.statistics.settle, names)))  # in the autograd engine, untraced
-            if self.check.every is not None and self.check.weight_checkable(weight):
+            if self.check.enabled and self.check.weight_checkable(weight):
                 handles.append(weight.register_hook(BoundHook(self._weight_grad, names)))
         return handles
 
@@ -430,19 +433,30 @@ class Capture:
 
     def finish_capture_step(self, process_group=None):
         """On a step that consumes statistics: read the self-check's verdicts (one host
-        synchronisation, only on a checked step; one all-reduce across ranks) and apply
-        them: a layer whose padding rows carried gradient has this step's statistics
-        refused and uses all its rows from now on (listed in :attr:`unmasked`); a layer
-        whose weight gradient is not its rows' is released (:attr:`SelfCheck.released`):
-        its gradient goes to the backbone unchanged. Returns the names newly released."""
-        flagged, released = self.check.finish(process_group)
+        synchronisation; one all-reduce across ranks) and apply them: a layer whose padding
+        rows carried gradient has this step's statistics refused and uses all its rows from
+        now on (listed in :attr:`unmasked`); a layer whose check was vacuous (a zero
+        gradient) has them refused; a layer whose weight gradient is not its rows' is
+        released (:attr:`SelfCheck.released`): its gradient goes to the backbone unchanged.
+        The :class:`~.ledger.Ledger` records which layers' statistics enter their factors.
+        Returns the names newly released."""
+        flagged, released, vacuous = self.check.finish(process_group)
         self._new_all_rows = list(flagged)
         for name in flagged:
             self.statistics.flag(name)
             self.calls.unmasked[name] = self.check.all_rows[name]
-        for name in released:
+        for name in list(released) + list(vacuous):
             self.statistics.flag(name)
+        for name, refused in self.check.vacuous_experts.items():
+            self.statistics.refuse_experts(name, refused)
+        self._refused = list(flagged) + list(released) + list(vacuous)
+        self.ledger.record(lambda name: self.stats(name) is not None, set(vacuous),
+                           set(flagged), self.check.released)
         return released
+
+    def refused_last(self):
+        """Layers whose statistics the last :meth:`finish_capture_step` refused."""
+        return self._refused
 
     def all_rows_new(self):
         """Layers the last :meth:`finish_capture_step` moved to all rows."""

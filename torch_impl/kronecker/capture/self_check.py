@@ -36,12 +36,22 @@ within \gamma_n of the sum of their magnitudes, and the operands' and result's r
 add u_\ell each. The ratio of the two sides is reported (a right capture measures far
 below 1).
 
-**When.** On the first capture step and every ``self_check``-th capture step after it
-(None: never), every captured layer is checked: a layer first used later is checked at
-the next such step. A checked step reads all verdicts in one host synchronisation (and one
-all-reduce of two numbers per layer across ranks, so every rank falls back alike).
+**When.** On every capture step whose statistics enter a factor update, every captured
+layer is checked (``self_check=True``, the default; ``None`` or ``False``: never): no
+statistic reaches a factor unverified, so rows that drift between steps (a learned scale
+beside the layer, a second use of the weight on some steps only) are caught on the first
+step they are wrong. A checked step reads all verdicts in one host synchronisation (and one
+all-reduce of three numbers per layer across ranks, so every rank decides alike). A second
+use of the weight on steps that capture nothing is seen by no statistic and no check: the
+factors model the capture steps' gradients only.
 
-**Fallback.** A padding violation refuses that step's statistics of the layer (its factors
+**Nothing to check is not a pass.** When every term of the projected sum vanishes (S = 0:
+the layer's output gradient is exactly 0, e.g. LoRA's A while B is still 0), the comparison
+holds for any row set, so it proves nothing: the layer is "not yet checked", its statistics
+of that step are refused, and it is checked on its first nonzero gradient.
+
+**Fallback.** A vacuous check refuses that step's statistics of the layer (above). A padding
+violation refuses that step's statistics of the layer (its factors
 sit the update out) and from then on the layer uses all its rows, listed in
 ``unmasked_reasons``. A weight violation *releases* the layer: from then on its gradient
 goes to the backbone unchanged, listed in ``skip_reasons``. Nothing is trained wrongly
@@ -73,10 +83,11 @@ def bound_factor(rows, d, compare_unit, low_unit):
 class _Run:
     """What one layer accumulated on a checked step."""
 
-    __slots__ = ("e", "s", "n", "pad", "masked", "ratio", "fired", "committed", "low")
+    __slots__ = ("e", "s", "n", "pad", "masked", "ratio", "fired", "committed", "low", "total")
 
     def __init__(self):
         self.e = self.s = None
+        self.total = None     # S summed over the step (not consumed by the firings): 0 = vacuous
         self.n = 0
         self.pad = None       # max |g| over padding rows (a 0-d tensor)
         self.masked = False
@@ -96,12 +107,14 @@ class SelfCheck:
             last checked step that reached the layer.
     """
 
-    def __init__(self, layers, every):
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
-                                  or every < 1):
-            raise ValueError(f"self_check must be None or an int >= 1, got {every!r}")
+    def __init__(self, layers, enabled):
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(
+                f"self_check must be True (check every capture whose statistics enter a "
+                f"factor), False or None (never), got {enabled!r}; the former every-k-th "
+                "schedule let the statistics between checks reach the factors unverified")
         self.layers = list(layers)
-        self.every = every
+        self.enabled = bool(enabled)
         self._by_name = {l.name: l for l in self.layers}
         self.checking = False
         self.captures = 0
@@ -110,10 +123,12 @@ class SelfCheck:
         self._probes = {}
         self._runs = {}
         self.no_layout = set()  # layers whose LayerType has no as_matrix
+        #: {stack: [bool per expert]} of the last checked step: experts whose check was vacuous
+        self.vacuous_experts = {}
 
     # -- schedule ----------------------------------------------------------------------
     def refresh(self, capturing):
-        self.checking = bool(capturing and self.every and self.captures % self.every == 0)
+        self.checking = bool(capturing and self.enabled)
 
     def reset(self):
         self._runs = {}
@@ -147,15 +162,15 @@ class SelfCheck:
         return torch.promote_types(layer.module.weight.dtype, torch.float32)
 
     def sketch(self, layer, rows, experts=None):
-        """(a_i^T v, |a_i|^T |v|, rows' dtype) of one call's input rows; rows of a stack of
-        experts (``experts``: each row's expert) are weighted by their expert's c_e."""
+        """(a_i^T v, |a_i|^T |v|, rows' dtype, ``experts``) of one call's input rows; rows of a
+        stack of experts (``experts``: each row's expert) are weighted by their expert's c_e."""
         dtype = self._dtype(layer)
         _, v, c = self._probe(layer, rows.device, dtype)
         r = rows.detach().to(dtype)
         pa, sa = r @ v, r.abs() @ v.abs()
         if experts is not None:
             pa, sa = pa * c[experts], sa * c.abs()[experts]
-        return pa, sa, rows.dtype
+        return pa, sa, rows.dtype, experts
 
     def _run(self, name):
         run = self._runs.get(name)
@@ -165,7 +180,7 @@ class SelfCheck:
 
     def commit(self, layer, sketch, mask, g):
         """One call's gradient rows: the padding check and the projected sum."""
-        pa, sa, rows_dtype = sketch
+        pa, sa, rows_dtype, experts = sketch
         dtype = self._dtype(layer)
         u = self._probe(layer, g.device, dtype)[0]
         gg = g.to(dtype)
@@ -173,8 +188,13 @@ class SelfCheck:
         run = self._run(layer.name)
         kept = product if mask is None else torch.where(mask, product, 0)
         run.e = kept.sum() if run.e is None else run.e + kept.sum()
-        s = ((gg.abs() @ u.abs()) * sa).sum()
+        terms = (gg.abs() @ u.abs()) * sa
+        s = terms.sum()
         run.s = s if run.s is None else run.s + s
+        if experts is not None:  # S per expert: an expert whose terms all vanish is vacuous
+            s = terms.new_zeros(layer.experts).index_add_(0, experts.reshape(-1),
+                                                          terms.reshape(-1))
+        run.total = s if run.total is None else run.total + s
         run.n += product.numel()
         low = max(_unit(rows_dtype), _unit(g.dtype), _unit(layer.module.weight.dtype))
         run.low = max(run.low, low if low > _unit(dtype) else 0.0)
@@ -229,11 +249,10 @@ class SelfCheck:
     # -- verdicts ----------------------------------------------------------------------
     def finish(self, process_group=None):
         """Read and apply this step's verdicts (module docstring, Fallback); returns
-        (layers refused for padding, layers released)."""
-        if not self.checking:
-            self.captures += 1
-            return [], []
+        (layers refused for padding, layers released, layers whose check was vacuous)."""
         self.captures += 1
+        if not self.checking:
+            return [], [], []
         self.checks_run += 1
         device = self.layers[0].module.weight.device if self.layers else torch.device("cpu")
         values = []
@@ -241,24 +260,31 @@ class SelfCheck:
             run = self._runs.get(layer.name)
             pad = run.pad if run is not None and run.masked else None
             ratio = run.ratio if run is not None and run.fired else None
-            values.append(torch.as_tensor(-1.0 if pad is None else pad, dtype=torch.float64,
-                                          device=device).reshape(()).to(torch.float64))
-            values.append(torch.as_tensor(-1.0 if ratio is None else ratio,
-                                          dtype=torch.float64,
-                                          device=device).reshape(()).to(torch.float64))
+            total = run.total if run is not None and run.total is not None else None
+            width = layer.experts or 1  # S per expert for a stack
+            for value, n in ((pad, 1), (ratio, 1), (total, width)):
+                values.append(torch.as_tensor(-1.0 if value is None else value,
+                                              dtype=torch.float64, device=device)
+                              .to(torch.float64).reshape(-1).expand(n))
         if not values:
-            return [], []
-        packed = torch.stack(values)
+            return [], [], []
+        packed = torch.cat(values)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(
                 process_group) > 1:
+            # MAX: a failure on any rank fails everywhere, and S = 0 only if 0 on every rank
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=process_group)
         flat = packed.tolist()  # the check step's one host synchronisation
         self._runs = {}
-        flagged, released = [], []
-        for i, layer in enumerate(self.layers):
-            pad, ratio = flat[2 * i], flat[2 * i + 1]
+        self.vacuous_experts = {}
+        flagged, released, vacuous = [], [], []
+        at = 0
+        for layer in self.layers:
+            width = layer.experts or 1
+            pad, ratio, totals = flat[at], flat[at + 1], flat[at + 2:at + 2 + width]
+            at += 2 + width
+            total = max(totals)
             name = layer.name
-            if pad < 0 and ratio < 0:
+            if pad < 0 and ratio < 0 and total < 0:
                 continue
             verdict = self.verdicts.setdefault(name, {})
             verdict["step_check"] = self.checks_run
@@ -273,15 +299,16 @@ class SelfCheck:
                     flagged.append(name)
             elif pad >= 0:
                 verdict["padding"] = "not run: non-finite gradient"
+            verdict.pop("ratio", None)
             if name in self.no_layout:
                 verdict["weight"] = "not run: its LayerType has no as_matrix"
             if verdict.get("padding") == "fail" and ratio > 1:
                 # the mask explains the mismatch: all rows from now on, not a release
                 verdict["weight"] = "not judged: the padding check failed"
-            elif ratio >= 0 and not math.isnan(ratio):
-                verdict["weight"] = "pass" if ratio <= 1 else "fail"
+            elif ratio > 1 and not math.isnan(ratio):
+                verdict["weight"] = "fail"
                 verdict["ratio"] = ratio
-                if ratio > 1 and name not in self.released:
+                if name not in self.released:
                     why = ("a backward reached the weight through a use no hook captured"
                            if math.isinf(ratio) else
                            f"its gradient differs from the sum of g a^T over its captured "
@@ -291,4 +318,15 @@ class SelfCheck:
                         "a call the hooks missed, or a wrong row set): not preconditioned "
                         "from this step on; its gradient goes to the backbone unchanged")
                     released.append(name)
-        return flagged, released
+            elif total == 0 or (total < 0 and ratio == 0):
+                # every term vanished (or no rows and a zero gradient): any row set passes
+                verdict["weight"] = "not yet checked: gradient zero"
+                vacuous.append(name)
+            elif ratio >= 0 and not math.isnan(ratio):
+                verdict["weight"] = "pass"
+                verdict["ratio"] = ratio
+            if layer.experts is not None and total > 0 and min(totals) == 0:
+                # the experts whose own terms all vanished: their statistics wait, as a
+                # one-Linear-per-expert twin's would
+                self.vacuous_experts[name] = [t == 0 for t in totals]
+        return flagged, released, vacuous

@@ -24,7 +24,8 @@ class _Stats:
     """Accumulated statistics of one layer since the last reset. ``settled``: everything
     committed so far has been accumulated into ``weight.grad``."""
 
-    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count", "settled", "flagged")
+    __slots__ = ("pending", "a_sum", "a_count", "g_sum", "g_count", "settled", "flagged",
+                 "refused")
 
     def __init__(self):
         self.pending = []  # grad_hook="module": (input statistic, mask) awaiting a gradient
@@ -32,6 +33,16 @@ class _Stats:
         self.a_count = self.g_count = 0
         self.settled = False
         self.flagged = False  # the self-check refused this step's statistics
+        self.refused = None   # a stack: [bool per expert] whose statistics were refused
+
+
+def _without(x, refused):
+    """``x`` (led by the stack's E experts, or an empty identity-side statistic) with the
+    ``refused`` experts' entries 0."""
+    if x.numel() == 0:  # an identity side stores nothing
+        return x
+    keep = torch.tensor([not r for r in refused], device=x.device)
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, 0)
 
 
 def _add(total, x):
@@ -107,6 +118,12 @@ class LayerStatistics:
         """The self-check refused this step's statistics of ``name``."""
         self._stats[name].flagged = True
 
+    def refuse_experts(self, name, refused):
+        """The self-check refused this step's statistics of some experts of the stack
+        ``name`` (``refused``: a bool per expert): they count no rows, as a one-Linear-per-
+        expert twin whose statistics were refused has none."""
+        self._stats[name].refused = refused
+
     def reset(self):
         """Drop accumulated and pending statistics."""
         for name in self._stats:
@@ -129,6 +146,9 @@ class LayerStatistics:
             return None
         if st.settled and self._by_name[name].module.weight.grad is None:
             return None
+        if st.refused is not None:
+            return tuple(_without(x, st.refused) for x in
+                         (st.a_sum, st.a_count, st.g_sum, st.g_count))
         return st.a_sum, st.a_count, st.g_sum, st.g_count
 
     def unpaired(self):
