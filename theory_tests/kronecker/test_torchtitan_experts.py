@@ -12,11 +12,20 @@ pytest.importorskip("torchtitan")
 
 from torch_impl import KFAC, MKOR  # noqa: E402
 from torch_impl.kronecker.experts.torchtitan import TITAN  # noqa: E402
+from torch_impl.kronecker.layers import register_layer_type, unregister_layer_type  # noqa: E402
 from theory_tests.support.titan_twin import (  # noqa: E402
-    PARAMS, Routed, as_stacks, grouped_experts, hand_rows, routing, twin_of)
+    BF16_LINEAR, PARAMS, Routed, as_stacks, grouped_experts, hand_rows, routing, twin_of)
 
 D, F, E, T, K = 16, 8, 4, 6, 2
 COUNTS = [3, 0, 5, 4]  # expert 1 is routed nothing
+
+
+@pytest.fixture(autouse=True)
+def _bf16_linear_declared():
+    """The twin's BF16Linear experts override forward: declared a linear product here."""
+    register_layer_type(BF16_LINEAR)
+    yield
+    unregister_layer_type(BF16_LINEAR)
 
 
 def _preconditioner(kind, model):

@@ -49,7 +49,7 @@ def test_every_mkor_keyword_reaches_its_option():
                   stabilizer_reset="identity", stabilizer_coupling="coupled",
                   first_update="identity", rescale="sum_of_norms", factor_dtype=torch.float64,
                   average="double", comm_dtype=torch.bfloat16, precondition_dtype=torch.float32,
-                  warmup_steps=4, grad_accum_steps=2, grad_scale=8.0, skip_modules=("x",),
+                  warmup_steps=4, grad_accum_steps=2, grad_scale=8.0, skip_modules=("2",),
                   grad_hook="module", hybrid_switch="loss_rate", switch_window=7,
                   switch_check_every=5, switch_threshold=0.25, switch_patience=6,
                   switch_step=90, max_factor_dim=77, token_mask="mask", factor_placement="owner")

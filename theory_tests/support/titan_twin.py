@@ -9,7 +9,8 @@ is the same model whose experts are ``nn.Linear`` layers (w1, w3: F x D, w2: D x
 :class:`BF16Linear`: each multiplies its bf16 input by its weight cast to bf16, as
 ``GroupedExperts`` casts x and W to bfloat16 before its grouped mm (so each linear's own hooks
 see the bf16 rows the product multiplied); silu and the product stay in bf16, and the output
-is cast back to x's dtype.
+is cast back to x's dtype. BF16Linear overrides ``forward``, so discovery refuses it unless its
+product is declared: ``BF16_LINEAR`` (``LinearType(BF16Linear)``), registered by the tests.
 """
 import copy
 
@@ -17,8 +18,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_impl.kronecker.layers import LinearType
+
 __all__ = ["Routed", "Twin", "grouped_experts", "routing", "twin_of", "PARAMS", "as_stacks",
-           "hand_rows", "BF16Linear"]
+           "hand_rows", "BF16Linear", "BF16_LINEAR"]
 
 PARAMS = ("w1_EFD", "w3_EFD", "w2_EDF")
 _LINEARS = ("w1", "w3", "w2")
@@ -51,6 +54,10 @@ class BF16Linear(nn.Linear):
 
     def forward(self, x):
         return x @ self.weight.bfloat16().T
+
+
+#: x W^T in bf16 is a linear product: the declaration that lets discovery precondition it
+BF16_LINEAR = LinearType(BF16Linear)
 
 
 class Routed(nn.Module):

@@ -182,7 +182,7 @@ class KFAC(PreconditionedOptimizer):
             damping, factor_decay, kl_clip, method)
         self._grad_scale = grad_scale
         self.factor_init, self.factor_init_scale = factor_init, tuple(float(v) for v in scales)
-        found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
+        found = discover(unwrap_model(model), skip_modules, optimizer, max_factor_dim)
         self._layers, self._skipped, self._frozen = found.layers, found.skipped, found.frozen
         check_supported_sharding(unwrap_model(model), self._layers, "KFAC")
         self.factor_placement = factor_placement

@@ -93,7 +93,7 @@ def kfac_pytorch_scales(model, example_input, *, optimizer=None, skip_modules=()
             bias, a dilated or string-padded convolution, a factor side at the identity), or a
             layer not called exactly once by the forward.
     """
-    found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)
+    found = discover(unwrap_model(model), skip_modules, optimizer, max_factor_dim)
     for layer in found.layers:
         module, why = layer.module, None
         if layer.kind == "mha_out":

@@ -4,11 +4,20 @@ r"""Which modules of a model get preconditioned, and why the others do not (spec
 parameters one of two fates:
 
 * **preconditioned**: its class has a registered :class:`~.layers.LayerType` (``nn.Linear``
-  and subclasses, ``nn.Conv2d`` with groups=1, transformers' ``Conv1D``), its weight is
-  trainable, real, held by the optimizer and owned by this module alone;
+  and the subclasses that keep its forward, ``nn.Conv2d`` with groups=1, transformers'
+  ``Conv1D``), its weight is trainable, real, held by the optimizer and owned by this module
+  alone;
 * **skipped**, with the reason: an embedding, a normalisation layer, a grouped or
-  depthwise convolution, an unregistered type, a frozen weight, a ``skip_modules``
-  pattern, a weight the optimizer does not hold, or a *tied* weight.
+  depthwise convolution, an unregistered type, an ``nn.Linear`` subclass whose forward is
+  not known to be x W^T + b (:class:`~.layers.LinearType`), a frozen weight, a
+  ``skip_modules`` pattern, a weight the optimizer does not hold, or a *tied* weight.
+
+**skip_modules** are glob patterns (``fnmatch``) of the names ``model.named_modules()`` gives
+(a DDP wrapper's ``module.`` stripped). A fused experts module's own name skips all its
+projections; a projection's name (``...experts.gate_up_proj``, its parameter's) skips it
+alone. A pattern that matches no module with parameters of its own and no projection is an
+error naming it (with the near names), raised before anything is hooked: a typo must not
+leave every layer preconditioned in silence.
 
 **Tied weights** (e.g. GPT-2's and BERT's output head sharing the input embedding's
 matrix) follow one rule: a weight owned by more than one module is never preconditioned.
@@ -26,6 +35,7 @@ be if it were never updated, so the rest of the algorithm is unchanged.
 A frozen bias (``requires_grad=False``) is treated as a constant: the layer counts as
 bias-free, so R has no bias column and the rescale (K14) compares the trainable parts only.
 """
+import difflib
 import fnmatch
 import warnings
 
@@ -140,20 +150,55 @@ def _routers(model):
     return out
 
 
+def _skip_patterns(skip):
+    """``skip_modules`` as a tuple of patterns: one string is one pattern (never its letters)."""
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    bad = [p for p in skip if not isinstance(p, str)]
+    if bad:
+        raise ValueError(f"skip_modules: expected glob patterns of module names (strings), "
+                         f"got {bad!r}")
+    return skip
+
+
+def _unmatched_patterns(unmatched, names, model):
+    """The ValueError naming the skip patterns that match nothing, each with a hint."""
+    bare = [n for n, m in model.named_modules()
+            if not any(True for _ in m.parameters(recurse=False))]
+    told = []
+    for pattern in unmatched:
+        holders = [n for n in bare if fnmatch.fnmatchcase(n, pattern)]
+        near = difflib.get_close_matches(pattern, names, n=3)
+        if holders:
+            hint = (f" (it names {holders[0]!r}, which holds no parameters itself; "
+                    f"{pattern + '.*'!r} names what is inside it)")
+        elif near:
+            hint = f" (near names: {', '.join(map(repr, near))})"
+        else:
+            hint = ""
+        told.append(f"{pattern!r}{hint}")
+    return ValueError(
+        f"skip_modules: {'; '.join(told)} match{'es' if len(told) == 1 else ''} no module with parameters and no fused "
+        "experts projection of this model; patterns are fnmatch globs of the names "
+        "model.named_modules() gives (without a DDP 'module.' prefix)")
+
+
 def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_DIM):
     """Find the preconditioned layers of ``model`` (module docstring for the rules).
 
     Args:
         model: any ``nn.Module`` (DDP / DataParallel wrappers are unwrapped).
         skip: glob patterns of module names to leave to the backbone (the released code's
-            ``sgd_layers``).
+            ``sgd_layers``); a fused experts module's name skips all its projections.
         optimizer: if given, layers whose weight it does not hold are skipped.
         max_factor_dim: factor sides above it are left at the identity (None: no limit).
 
     Raises:
-        ValueError: a layer of a registered type has complex parameters.
+        ValueError: a layer of a registered type has complex parameters; a ``skip`` pattern
+            matches nothing (module docstring).
     """
     model = unwrap_model(model)
+    skip = _skip_patterns(skip)
+    names = []  # what a skip pattern may name: modules with parameters, experts projections
     held = None
     if optimizer is not None:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -162,10 +207,12 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
                   if isinstance(m, nn.MultiheadAttention)}
     layers, skipped, identity, frozen = [], {}, {}, {}
 
-    def judge(name, module, layer_type, reason=None):
-        """Add ``module`` as a layer of ``layer_type`` or record why it is skipped."""
-        if reason is None and any(fnmatch.fnmatchcase(name, p) for p in skip):
-            pattern = next(p for p in skip if fnmatch.fnmatchcase(name, p))
+    def judge(name, module, layer_type, reason=None, within=None):
+        """Add ``module`` as a layer of ``layer_type`` or record why it is skipped
+        (``within``: the name of the fused experts module holding the projection)."""
+        pattern = next((p for p in skip if fnmatch.fnmatchcase(name, p)
+                        or within is not None and fnmatch.fnmatchcase(within, p)), None)
+        if reason is None and pattern is not None:
             reason = f"skipped by the skip_modules pattern {pattern!r}"
         elif reason is None and layer_type is None:
             reason = _unsupported_type_reason(module)
@@ -211,6 +258,7 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
+        names.append(name)
         if name in routers:
             judge(name, module, None, routers[name])
             continue
@@ -219,16 +267,20 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
             parent = model.get_submodule(name.rpartition(".")[0]) if name else None
             problem = layout.problem(module, parent)
             prefix = f"{name}." if name else ""
+            names.extend(prefix + p for p, _ in module.named_parameters(recurse=False))
             projections = layout.projections(module) if problem is None else []
             for pname, projection in projections:
                 owners.setdefault(id(projection.weight), [])
                 owners[id(projection.weight)] = [
                     prefix + pname if n == name else n for n in owners[id(projection.weight)]]
-                judge(prefix + pname, projection, EXPERTS)
+                judge(prefix + pname, projection, EXPERTS, within=name)
             if problem is not None:
                 skipped[name] = problem
             continue
         judge(name, module, layer_type_for(module))
+    unmatched = [p for p in skip if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise _unmatched_patterns(unmatched, names, model)
     return Discovery(layers, skipped, identity, frozen)
 
 

@@ -12,10 +12,19 @@ A Kronecker-factored preconditioner needs four things from a layer y = W a (+ b)
   to write the preconditioned (d_out, d_in) matrix back.
 
 :class:`LayerType` bundles them; :func:`register_layer_type` adds one, so a new module class
-is covered by design rather than by class name. Built in: ``nn.Linear`` and subclasses,
-``nn.Conv2d`` with ``groups == 1``, and transformers' ``Conv1D`` (GPT-2: W stored in x out,
-y = x W + b), recognised without importing transformers (a module can only be a ``Conv1D``
-if ``transformers.pytorch_utils`` is already imported).
+is covered by design rather than by class name. Built in: ``nn.Linear`` and the subclasses
+that keep its product, ``nn.Conv2d`` with ``groups == 1``, and transformers' ``Conv1D``
+(GPT-2: W stored in x out, y = x W + b), recognised without importing transformers (a module
+can only be a ``Conv1D`` if ``transformers.pytorch_utils`` is already imported).
+
+**nn.Linear subclasses** (issue 45). The hooks read a Linear's input and the gradient of its
+output as the rows of y = x W^T + b, which only ``nn.Linear.forward`` guarantees. A subclass
+whose class overrides ``forward`` may compute any other product (DeepSeek-V4's block-diagonal
+``DeepseekV4GroupedLinear``, a router returning a tuple, a head scaling its logits), so it is
+refused with that reason unless its forward is *declared* to be x W^T + b: listed in
+``_KNOWN_LINEAR_PRODUCTS`` (each entry tested against ``F.linear``) or given to
+``LinearType(cls)``, registered by the user. Where the forward comes from is read from the
+class's MRO (a subclass of a declared class that does not override ``forward`` is declared too).
 """
 import math
 import sys
@@ -96,13 +105,50 @@ class LayerType:
         self.grad_matrix(module).copy_(delta)
 
 
+#: nn.Linear subclasses of other libraries whose own ``forward`` computes x W^T + b on the
+#: rows the module receives, by "module.qualname" (no import needed); each has a test against
+#: ``F.linear`` (``theory_tests/kronecker/test_linear_subclasses.py``).
+_KNOWN_LINEAR_PRODUCTS = frozenset({
+    # ``input @ self.weight.T`` then ``+ self.bias``: F.linear unfused (one more bf16 rounding)
+    "transformers.models.falcon.modeling_falcon.FalconLinear",
+})
+
+
+def _qualified(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def forward_owner(cls):
+    """The class of ``cls``'s MRO whose ``forward`` instances of ``cls`` run."""
+    return next(c for c in cls.__mro__ if "forward" in vars(c))
+
+
 class LinearType(LayerType):
-    """``nn.Linear`` and subclasses: y = x W^T + b, W (d_out, d_in), any leading dims (K3)."""
+    """``nn.Linear`` and its subclasses that keep its product: y = x W^T + b, W (d_out, d_in),
+    any leading dims (K3). ``LinearType(*classes)`` declares the ``forward`` of each class (an
+    ``nn.Linear`` subclass) to compute that product and matches those classes only; register it
+    with :func:`register_layer_type` to precondition them (module docstring)."""
 
     name = "linear"
 
+    def __init__(self, *classes):
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Linear)):
+                raise TypeError(f"LinearType: {cls!r} is not an nn.Linear subclass")
+        self.classes = classes
+
     def matches(self, module):
-        return isinstance(module, nn.Linear)
+        return isinstance(module, self.classes or nn.Linear)
+
+    def unsupported(self, module):
+        owner = forward_owner(type(module))
+        if owner is nn.Linear or owner in self.classes or \
+                _qualified(owner) in _KNOWN_LINEAR_PRODUCTS:
+            return None
+        return (f"nn.Linear subclass {type(module).__name__} overrides forward "
+                f"({_qualified(owner)}.forward): its product is not known to be x W^T + b; "
+                f"the backbone steps it (register_layer_type(LinearType({owner.__name__})) "
+                "declares that it is)")
 
     def shape(self, module):
         return tuple(module.weight.shape)

@@ -216,4 +216,9 @@ MUTANTS = {
         # does not ask a checkpoint for them
         Mutant(T_KFAC, "        self._decompose_all(missing_only=True)\n", "        pass\n"),
     ],
+    "DISCOVERY-NAMES": [
+        # K-FAC splits one skip_modules string into its letters before discovery sees it
+        Mutant(T_KFAC, "found = discover(unwrap_model(model), skip_modules, optimizer, max_factor_dim)",
+               "found = discover(unwrap_model(model), tuple(skip_modules), optimizer, max_factor_dim)"),
+    ],
 }

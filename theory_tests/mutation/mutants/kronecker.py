@@ -20,8 +20,8 @@ MUTANTS = {
     "K1": [
         Mutant(T_DISCOVERY, "if reason is None and len(owners.get(id(weight), ())) > 1:",
                "if reason is None and len(owners.get(id(weight), ())) > 2:"),
-        Mutant(T_LAYERS, "        return isinstance(module, nn.Linear)\n",
-               "        return type(module) is nn.Linear\n"),
+        Mutant(T_LAYERS, "        return isinstance(module, self.classes or nn.Linear)\n",
+               "        return type(module) in (self.classes or (nn.Linear,))\n"),
     ],
     "K3-K6": [
         Mutant(T_LAYERS, "        return patches.transpose(1, 2)", "        return patches.flip(1).transpose(1, 2)",
@@ -116,6 +116,38 @@ MUTANTS = {
         # the router left with the generic reason
         Mutant("torch_impl/kronecker/discovery.py", "        if name in routers:\n",
                "        if False:\n"),
+    ],
+    "DISCOVERY-NAMES": [
+        # every nn.Linear subclass taken for x W^T + b (PhiMoE's router, DeepSeek-V4's grouped
+        # linear preconditioned again)
+        Mutant(T_LAYERS, "        owner = forward_owner(type(module))\n", "        owner = nn.Linear\n"),
+        # the class itself taken for the forward's owner: a subclass that only changes its
+        # construction, or inherits a declared forward, refused
+        Mutant(T_LAYERS, '    return next(c for c in cls.__mro__ if "forward" in vars(c))',
+               "    return cls"),
+        # a registered LinearType(cls) declares nothing
+        Mutant(T_LAYERS, "if owner is nn.Linear or owner in self.classes or",
+               "if owner is nn.Linear or False or"),
+        # the known products' table not read (FalconLinear refused)
+        Mutant(T_LAYERS, "_qualified(owner) in _KNOWN_LINEAR_PRODUCTS:", "_qualified(owner) in ():"),
+        # a fused experts module's own name no longer skips its projections
+        Mutant(T_DISCOVERY, "                        or within is not None and fnmatch.fnmatchcase(within, p)), None)",
+               "                        ), None)"),
+        # a pattern that matches nothing accepted in silence
+        Mutant(T_DISCOVERY, "    if unmatched:\n", "    if False:\n"),
+        # projection names not among the names a pattern may match
+        Mutant(T_DISCOVERY, "            names.extend(prefix + p for p, _ in module.named_parameters(recurse=False))\n",
+               "            pass\n"),
+        # module names not among them
+        Mutant(T_DISCOVERY, "        names.append(name)\n        if name in routers:",
+               "        pass\n        if name in routers:"),
+        # one string split into its letters
+        Mutant(T_DISCOVERY, "    skip = (skip,) if isinstance(skip, str) else tuple(skip)",
+               "    skip = tuple(skip)"),
+        # the error's hints gone
+        Mutant(T_DISCOVERY, "        if holders:\n", "        if False:\n"),
+        Mutant(T_DISCOVERY, "        near = difflib.get_close_matches(pattern, names, n=3)",
+               "        near = []"),
     ],
     "PORT-ACCELERATE-FSDP2": [
         # identity test inverted inside moved()
