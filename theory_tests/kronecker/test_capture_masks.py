@@ -495,9 +495,10 @@ def test_self_check_runs_on_every_capture_step_and_can_be_turned_off():
     for off in offs:
         assert off._capture.check.checks_run == 0
         assert off.capture_report()["0"]["self_check"] == {}
-    for bad in (0, 1, 3, "yes"):
+    for bad in (0, 3, 10, 1.0, "yes"):
         with pytest.raises(ValueError, match="self_check"):
             _mkor(model, self_check=bad)
+    assert _mkor(model, self_check=1)._capture.check.enabled  # the old "every capture step"
 
 
 # -- 7. discovery follows the model ------------------------------------------------------------

@@ -159,7 +159,8 @@ class MKOR(PreconditionedOptimizer):
             (:mod:`torch_impl.kronecker.capture.self_check`): padding rows carry no
             gradient, and each weight's gradient is the sum of g a^T over its captured rows;
             a violation falls back and is reported (:meth:`capture_report`), and a zero
-            gradient proves nothing (its statistics wait for a nonzero one). None or False:
+            gradient proves nothing (its statistics wait for a nonzero one); 1 means the
+            same (the former every-capture schedule). None or False:
             never. A layer whose factors have taken no statistic yet is not preconditioned:
             its gradient goes to the backbone unchanged, and it is listed in
             :attr:`skip_reasons` with the reason.

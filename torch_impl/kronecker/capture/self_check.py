@@ -108,11 +108,14 @@ class SelfCheck:
     """
 
     def __init__(self, layers, enabled):
-        if enabled is not None and not isinstance(enabled, bool):
+        # 1 is the former schedule's "every capture step": the one it keeps meaning
+        if enabled is not None and not isinstance(enabled, bool) and not (
+                type(enabled) is int and enabled == 1):
             raise ValueError(
                 f"self_check must be True (check every capture whose statistics enter a "
-                f"factor), False or None (never), got {enabled!r}; the former every-k-th "
-                "schedule let the statistics between checks reach the factors unverified")
+                f"factor; 1 means the same), False or None (never), got {enabled!r}; the "
+                "former every-k-th schedule let the statistics between checks reach the "
+                "factors unverified")
         self.layers = list(layers)
         self.enabled = bool(enabled)
         self._by_name = {l.name: l for l in self.layers}
