@@ -32,8 +32,10 @@ torch.optim conventions (as ``torch.optim.AdamW``):
   True raises ``ValueError`` naming the keyword.
 
 Every hyperparameter is validated in the constructor and in each param-group dict (the
-initial groups and :meth:`add_param_group`), with a ``ValueError`` naming it. A sparse
-gradient is refused (``RuntimeError``) before any parameter or state changes.
+initial groups and :meth:`add_param_group`), with a ``ValueError`` naming it, and again, in
+every group, at the start of each step (the groups are read at each step, and may have been
+written since), so that a refused step changes no parameter, state or step counter of any
+group. A sparse gradient is refused (``RuntimeError``) before any parameter or state changes.
 """
 import torch
 
@@ -212,8 +214,17 @@ class LAMB(torch.optim.Optimizer):
                                          if p.requires_grad and not self.state.get(p)]):
                 pass
 
+    def _check_groups(self):
+        """Every group's hyperparameters, as the constructor checks them: they are read from
+        the groups at each step (a scheduler, or a user, may have written any of them since),
+        and a refusal must come before the first group changes -- so that a step that raises
+        leaves every parameter, state entry and step counter as it was."""
+        for group in self.param_groups:
+            _check_group(group)
+
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_groups()  # every group's, before any group changes
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -11,20 +11,39 @@ def tensor_scalar(name, value):
     takes a tensor, for a compiled step whose scheduler writes into it): one element, real
     floating point, on the CPU -- the step reads it on the host, where a CUDA tensor would
     synchronise."""
+    _check_scalar_tensor(name, value)
+    return value.item()
+
+
+def host_value(name, value):
+    """``value`` as the step reads it on the host: a number as it is, a tensor's number
+    (``tensor_scalar``) -- or ``None`` for a tensor while ``torch.compile`` traces the step,
+    whose value is data of the graph (a schedule writes it with ``fill_``): reading it would
+    break the graph, so only what the trace fixes (one element, dtype, device) is checked."""
+    if not torch.is_tensor(value):
+        return value
+    if torch.compiler.is_compiling():
+        _check_scalar_tensor(name, value)
+        return None
+    return tensor_scalar(name, value)
+
+
+def _check_scalar_tensor(name, value):
     if value.numel() != 1 or not value.is_floating_point() or value.is_cuda \
             or value.requires_grad:
         raise ValueError(f"{name}: a tensor {name} must be a one-element floating-point CPU "
                          f"tensor without grad, got {value!r}")
-    return value.item()
 
 
 def check_number(name, value, low=None, high=None, high_open=False, *, low_open=False,
                  finite=False, tensor=False):
     """A real number (not a bool) in [low, high] (either end open on request); ``finite``
     also refuses +-inf.  NaN is always refused.  ``tensor``: a one-element CPU tensor is
-    accepted too, and its value checked (``tensor_scalar``)."""
+    accepted too, and its value checked (``host_value``: not while a step is traced)."""
     if tensor and torch.is_tensor(value):
-        value = tensor_scalar(name, value)
+        value = host_value(name, value)
+        if value is None:  # traced by torch.compile: the value is the graph's data
+            return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {value!r}")
     if finite and not math.isfinite(value):
@@ -117,7 +136,19 @@ def check_torch_flags(owner, g):
     raises, naming the keyword, so that a group asking for them is never silently ignored."""
     for flag, allowed in (("fused", (None, False)), ("capturable", (False,)),
                           ("differentiable", (False,))):
+        if flag == "capturable" and torch.compiler.is_compiling():
+            continue  # dynamo's trace of a step reads every group's capturable as True
+            #           (``OptimizerVariable._set_capturable``): the user's is not visible
         value = g.get(flag, False)
         if not any(value is a for a in allowed):
             raise ValueError(f"{owner}: {flag}={value!r} is not supported "
                              f"({TORCH_FLAG_ADVICE[flag]})")
+
+
+def check_shared(name, groups, why):
+    """Every group of ``groups`` holds the same ``name`` (a mode the step reads from the first
+    group and applies to all); a ValueError naming it and ``why`` otherwise."""
+    values = [g[name] for g in groups]
+    if any(v != values[0] for v in values[1:]):
+        raise ValueError(f"{name}: every parameter group must hold the same value ({why}), "
+                         f"got {values!r}")

@@ -10,8 +10,8 @@ from . import mars_equations
 from ..common.sharding import ORTHOGONALIZE_ON
 from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
-    check_int, check_matrix_batch_dims, check_ns_coefficients, check_number as _check_number, \
-    check_torch_flags as _check_torch_flags, tensor_scalar
+    check_matrix_batch_dims, check_ns_coefficients, check_number as _check_number, \
+    check_shared, check_torch_flags as _check_torch_flags, tensor_scalar
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
 CLIP_SCOPES = ("tensor", "global", "none")
@@ -19,6 +19,7 @@ ORTHOGONALIZERS = ("newton_schulz", "svd", "gram_newton_schulz")
 WEIGHT_DECAY_1D_SOURCES = ("constructor", "group")
 SHAPE_LAYOUTS = ("out_in", "in_out")
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_ONE_MODE = "exact mode re-evaluates the whole model at x_{t-1}"
 
 
 class MARS(Optimizer):
@@ -155,6 +156,11 @@ class MARS(Optimizer):
     protocol: it fills the lists it is given), for every ``mars_type``, with or without
     ``foreach`` and with ``compiled=``; exact mode's closure re-evaluation is eager Python.
 
+    A step checks every group's hyperparameters (as the constructor does: a scheduler or a
+    user may have written any of them since) and gradients (sparse, complex) before it
+    changes anything, so a step that raises leaves every group as it was.  A traced step
+    checks tensor hyperparameters' dtype and device only: their values are the graph's data.
+
     State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
     amsgrad; ``last_grad`` for tensors on the MARS path (a copy of the raw g, never an alias
@@ -210,16 +216,21 @@ class MARS(Optimizer):
                 raise ValueError("lr_1d: a group with lr = 0 cannot define lr_1d / lr")
             param_group["lr_1d_factor"] = lr_1d / lr if lr > 0 else 0.0
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
         try:
-            _validate_group(group)
+            _validate_group(self.param_groups[-1])
+            check_shared("is_approx", self.param_groups, _ONE_MODE)
         except ValueError:
             self.param_groups.pop()
             raise
-        if any(g["is_approx"] != group["is_approx"] for g in self.param_groups):
-            self.param_groups.pop()
-            raise ValueError("is_approx: every parameter group must use the same mode, since "
-                             "exact mode re-evaluates the whole model at x_{t-1}")
+
+    def _check_groups(self):
+        """Every group's hyperparameters, as ``add_param_group`` checks them: they are read
+        from the groups at each step (a scheduler, or a user, may have written any of them
+        since), and a refusal must come before the first group changes -- so that a step
+        that raises leaves every parameter, state entry and step counter as it was."""
+        for group in self.param_groups:
+            _validate_group(group)
+        check_shared("is_approx", self.param_groups, _ONE_MODE)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -255,6 +266,7 @@ class MARS(Optimizer):
         optimizer calls it at x_{t-1} (to get grad f(x_{t-1}, xi_t)) and then at x_t, restoring
         the random-number state in between so that dropout-like randomness is the same sample.
         """
+        self._check_groups()  # every group's, before exact mode moves to x_{t-1}
         exact = not self.param_groups[0]["is_approx"]
         if exact and closure is None and exact_mode.uses_authors_api(self):
             loss = None  # last_grad comes from update_last_grad() (the authors' loop)
@@ -306,13 +318,11 @@ class MARS(Optimizer):
         return loss
 
     def _check_gradients(self):
-        """Reject unsupported inputs before any state changes, so a bad step loses nothing
-        (a group's ``matrix_batch_dims``, read at each step, must still fit its shapes)."""
+        """Reject unsupported gradients before any state changes, so a bad step loses nothing
+        (the hyperparameters, ``matrix_batch_dims`` against the shapes included, are
+        ``_check_groups``'s, before)."""
         for group in self.param_groups:
-            check_int("matrix_batch_dims", group["matrix_batch_dims"], low=0)
             for p in group["params"]:
-                if p.grad is not None:
-                    _route(p, group)  # raises for a shape that matrix_batch_dims does not fit
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("MARS does not support sparse gradients")
                 if p.grad is not None and torch.is_complex(p):
@@ -501,7 +511,7 @@ def _lr_value(lr):
 
 
 def _validate_group(g):
-    _lr_value(g["lr"])
+    _check_number("lr", g["lr"], low=0.0, tensor=True)  # a tensor's value: not when traced
     _check_number("eps", g["eps"], low=0.0)
     _check_number("weight_decay", g["weight_decay"], low=0.0)
     _check_number("gamma", g["gamma"], low=0.0, high=1.0)

@@ -11,12 +11,14 @@ from . import mars_m_equations
 from .functional import mars_m
 from ..common.sharding import ORTHOGONALIZE_ON
 from ..common.validation import (check_betas, check_choice, check_int, check_matrix_batch_dims,
-                                 check_ns_coefficients, check_number, check_torch_flags)
+                                 check_ns_coefficients, check_number, check_shared,
+                                 check_torch_flags, host_value)
 
 RULES = ("auto", "mars_m", "adamw")
 SHAPE_LAYOUTS = ("out_in", "in_out")
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ORTHOGONALIZERS = ("newton_schulz", "gram_newton_schulz")
+_ONE_MODE = "exact mode re-evaluates the whole model at x_{t-1}"
 
 
 class MARSM(Optimizer):
@@ -110,7 +112,8 @@ class MARSM(Optimizer):
             ValueError naming the keyword, in the constructor and in any group dict.
 
     ``torch.compile(opt.step)`` traces the step (``_init_group`` follows torch's protocol).
-    A step checks every group's gradients (sparse, complex) before it changes anything.
+    A step checks every group's hyperparameters (as the constructor does: they may have been
+    written since) and gradients (sparse, complex) before it changes anything.
 
     State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
     ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
@@ -145,15 +148,19 @@ class MARSM(Optimizer):
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
         try:
-            _validate_group(group)
-            if any(g["is_approx"] != group["is_approx"] for g in self.param_groups):
-                raise ValueError("is_approx: every parameter group must use the same mode, "
-                                 "since exact mode re-evaluates the whole model at x_{t-1}")
+            _validate_group(self.param_groups[-1])
+            check_shared("is_approx", self.param_groups, _ONE_MODE)
         except ValueError:
             self.param_groups.pop()
             raise
+
+    def _check_groups(self):
+        """Every group's hyperparameters, before the first group changes
+        (``MARS._check_groups`` says why)."""
+        for group in self.param_groups:
+            _validate_group(group)
+        check_shared("is_approx", self.param_groups, _ONE_MODE)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -175,6 +182,7 @@ class MARSM(Optimizer):
     def step(self, closure=None):
         """One step; returns the closure's loss.  Exact mode needs ``closure`` (evaluated at
         x_{t-1} and at x_t on the same batch) unless the authors' loop feeds ``last_grad``."""
+        self._check_groups()  # every group's, before exact mode moves to x_{t-1}
         exact = not self.param_groups[0]["is_approx"]
         if exact and closure is None and exact_mode.uses_authors_api(self):
             loss = None
@@ -210,13 +218,11 @@ class MARSM(Optimizer):
         return loss
 
     def _check_gradients(self):
-        """Reject unsupported inputs before any state changes, so a bad step loses nothing
-        (a group's ``matrix_batch_dims``, read at each step, must still fit its shapes)."""
+        """Reject unsupported gradients before any state changes, so a bad step loses nothing
+        (the hyperparameters, ``matrix_batch_dims`` against the shapes included, are
+        ``_check_groups``'s, before)."""
         for group in self.param_groups:
-            check_int("matrix_batch_dims", group["matrix_batch_dims"], low=0)
             for p in group["params"]:
-                if p.grad is not None:
-                    _kind(p, group)  # raises for a shape that matrix_batch_dims does not fit
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("MARSM does not support sparse gradients")
                 if p.grad is not None and torch.is_complex(p):
@@ -325,9 +331,9 @@ def _validate_group(g):
     check_number("lr", g["lr"], low=0.0, tensor=True)  # tensors as AdamW takes them
     check_number("weight_decay", g["weight_decay"], low=0.0)
     check_number("momentum", g["momentum"], low=0.0, high=1.0, high_open=True, tensor=True)
-    if float(g["momentum"]) == 0.0:  # a = gamma beta/(1 - beta) is fine; M18 divides by beta
-        if g["efficient"]:
-            raise ValueError("momentum: the efficient recursion (M18) divides by momentum > 0")
+    if g["efficient"] and host_value("momentum", g["momentum"]) == 0.0:  # (traced: None)
+        # a = gamma beta/(1 - beta) is fine at 0; M18 divides by beta
+        raise ValueError("momentum: the efficient recursion (M18) divides by momentum > 0")
     check_number("gamma", g["gamma"], low=0.0, high=1.0)
     check_number("adamw_eps", g["adamw_eps"], low=0.0)
     check_betas("adamw_betas", g["adamw_betas"])

@@ -206,6 +206,15 @@ MUTANTS = {
     ],
     "PORT-ATOMIC": [
         Mutant("torch_impl/baselines/lamb.py", "                if p.grad is not None and p.grad.is_sparse:", "                if False:"),
+        # issue 45: each group's hyperparameters checked as it steps, so a refusal in the last
+        # group comes after the earlier ones stepped
+        Mutant("torch_impl/baselines/lamb.py",
+               "        self._check_groups()  # every group's, before any group changes",
+               "        pass  # every group's, before any group changes",
+               also=(("torch_impl/baselines/lamb.py",
+                      "            params, grads, ms, vs, counters = [], [], [], [], []",
+                      "            _check_group(group)\n"
+                      "            params, grads, ms, vs, counters = [], [], [], [], []"),)),
     ],
     "PORT-TORCH-FLAGS": [
         Mutant("torch_impl/baselines/lamb.py", "    check_torch_flags(\"LAMB\", group)", "    pass"),

@@ -62,8 +62,11 @@ MUTANTS = {
         # a tensor read on the host while compiling: a graph break / a constant per value
         Mutant(T_SCALARS, "    return x.item() if torch.is_tensor(x) and not torch.compiler.is_compiling() else x",
                "    return x.item() if torch.is_tensor(x) else x"),
-        Mutant(T_VALIDATION, "    if tensor and torch.is_tensor(value):\n        value = tensor_scalar(name, value)",
-               "    if False:\n        value = tensor_scalar(name, value)"),
+        Mutant(T_VALIDATION, "    if tensor and torch.is_tensor(value):\n        value = host_value(name, value)",
+               "    if False:\n        value = host_value(name, value)"),
+        # a traced step's check reads a tensor hyperparameter on the host: a graph break
+        Mutant(T_VALIDATION, "    if torch.compiler.is_compiling():\n        _check_scalar_tensor(name, value)",
+               "    if False:\n        _check_scalar_tensor(name, value)"),
         Mutant(T_VALIDATION, "    if value.numel() != 1 or not value.is_floating_point() or value.is_cuda \\",
                "    if value.numel() != 1 or value.is_cuda \\"),
     ],
@@ -147,6 +150,12 @@ MUTANTS = {
     "PORT-TORCH-FLAGS": [
         Mutant("torch_impl/common/validation.py", "    for flag, allowed in ((\"fused\", (None, False)), (\"capturable\", (False,)),",
                "    for flag, allowed in ((\"fused\", (None, False, True)), (\"capturable\", (False,)),"),
+    ],
+    "PORT-COMPILE-STEP": [
+        # the step's group check traced with the capturable=True that dynamo's trace of an
+        # optimizer shows every group: the trace raises, and the step runs eagerly
+        Mutant(T_VALIDATION, '        if flag == "capturable" and torch.compiler.is_compiling():',
+               '        if False:'),
     ],
     "PORT-FSDP2-ORTHOGONALISE": [
         # the owner map differs between ranks

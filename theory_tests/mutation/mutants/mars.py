@@ -35,6 +35,15 @@ _MARS_LOOP = "            for _ in self._create_state(group, fresh):\n          
 _PLACEHOLDERS = "            exact_mode.init_previous_iterates(self, fresh)"
 
 
+# PORT-ATOMIC: the step's check of every group, and the per-group loops it precedes
+_CHECK_GROUPS = "        self._check_groups()  # every group's, before exact mode moves to x_{t-1}"
+_NO_CHECK_GROUPS = "        pass  # every group's, before exact mode moves to x_{t-1}"
+_CHECK_AS_IT_STEPS = "\n            _validate_group(group)"
+_MARS_M_LOOP = "            params, grads, bufs, lasts, m1, m2, steps, kinds = [], [], [], [], [], [], [], []"
+_MARS_STEP_LOOP = "        for group, w in zip(self.param_groups, work):"
+_SHARED_AT_STEP = '            _validate_group(group)\n        check_shared("is_approx", self.param_groups, _ONE_MODE)'
+
+
 def _mars_family(path, buffer):
     """The same bugs in MARS and MARSM (``buffer``: a state key every route has)."""
     return [
@@ -354,6 +363,16 @@ MUTANTS = {
                "        pass  # every group's, before the first group changes"),
         Mutant(T_EXACT_MODE, "    opt._check_gradients()  # noqa: SLF001  (a first step's prev_param is not kept either)",
                "    pass  # noqa: SLF001  (a first step's prev_param is not kept either)"),
+        # issue 45: a group's hyperparameters checked as it steps, so a refusal in the last
+        # group comes after the earlier ones stepped -- MARS-M ...
+        Mutant(T_MARS_M, _CHECK_GROUPS, _NO_CHECK_GROUPS,
+               also=((T_MARS_M, _MARS_M_LOOP, _MARS_M_LOOP + _CHECK_AS_IT_STEPS),)),
+        # ... and MARS (after every group's state is gathered, as each one steps)
+        Mutant(T_MARS, _CHECK_GROUPS, _NO_CHECK_GROUPS,
+               also=((T_MARS, _MARS_STEP_LOOP, _MARS_STEP_LOOP + _CHECK_AS_IT_STEPS),)),
+        # the mode every group shares not compared: one group turned exact steps as approx
+        Mutant(T_MARS, _SHARED_AT_STEP, "            _validate_group(group)\n        pass"),
+        Mutant(T_MARS_M, _SHARED_AT_STEP, "            _validate_group(group)\n        pass"),
     ],
     "PORT-EXACT-SCALER": [
         Mutant(T_EXACT_MODE, "    inv_scale = scale.double().reciprocal().float()", "    inv_scale = torch.ones_like(scale)"),
@@ -624,9 +643,9 @@ MUTANTS = {
                "                matrices=(MATRIX, EFFICIENT), optional=(\"shape_scales\",),\n"
                "                matrix_batch_dims=0)"),
         # a group changed to a value its shapes do not fit is found only once earlier groups
-        # have stepped
-        Mutant(T_MARS_M, "                    _kind(p, group)  # raises for a shape",
-               "                    pass  # raises for a shape"),
+        # have stepped (the step checks the first group alone)
+        Mutant(T_MARS_M, "        for group in self.param_groups:\n            _validate_group(group)",
+               "        for group in self.param_groups[:1]:\n            _validate_group(group)"),
         # MARS passes the group's option nowhere: stacks take the non-2-D fallback
         Mutant(T_MARS, '                matrix_batch_dims=group["matrix_batch_dims"])',
                '                matrix_batch_dims=0)'),
