@@ -371,6 +371,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure_loss = loss = closure()
+        self._check_backbone_groups()
         if not self._amp_step():
             return closure_loss
         if self._detached:
@@ -388,6 +389,17 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """Names of the layers whose factors have taken a statistic (read after a load: one
         host synchronisation); each method reads its own counters."""
         raise NotImplementedError
+
+    def _check_backbone_groups(self):
+        """A refusal before anything changes: this library's backbones (MARS, MARS-M, LAMB)
+        check every group in ``_check_groups``; run it before the factors, the step count and
+        the gradients change, so a refused step leaves them all as they were. (torch's own
+        optimizers check nothing at step time; another class's method of that name is not
+        assumed to be this one.)"""
+        cls = type(self.optimizer)
+        check = getattr(cls, "_check_groups", None)
+        if check is not None and cls.__module__.startswith("torch_impl."):
+            check(self.optimizer)
 
     def _observe(self, loss):
         """This step's loss (or None), before :meth:`precondition`; MKOR-H overrides."""

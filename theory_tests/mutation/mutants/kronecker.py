@@ -17,6 +17,19 @@ _POW2 = "2.0 ** round(__import__(\"math\").log2(scale))"
 _REFUSALS = '    def __reduce_ex__(self, protocol, /):\n        self._refuse_copy()\n\n    def __reduce__(self, /):\n        self._refuse_copy()\n\n    def __getstate__(self):\n        self._refuse_copy()\n\n    __copy__ = __deepcopy__ = _refuse_copy'
 
 MUTANTS = {
+    "PORT-ATOMIC": [
+        # MKOR / K-FAC precondition (factors, step count, every .grad) before the backbone
+        # refuses a group.
+        Mutant("torch_impl/kronecker/optimizer.py",
+               "        self._check_backbone_groups()\n        if not self._amp_step():",
+               "        if not self._amp_step():",
+               tests=("theory_tests/common/test_atomic_refusals.py",)),
+        # another class's _check_groups is not assumed to be this library's
+        Mutant("torch_impl/kronecker/optimizer.py",
+               "        if check is not None and cls.__module__.startswith(\"torch_impl.\"):",
+               "        if check is not None:",
+               tests=("theory_tests/common/test_atomic_refusals.py::test_a_foreign_backbones_check_groups_is_not_assumed_to_be_ours",)),
+    ],
     "K1": [
         Mutant(T_DISCOVERY, "if reason is None and len(owners.get(id(weight), ())) > 1:",
                "if reason is None and len(owners.get(id(weight), ())) > 2:"),
