@@ -242,7 +242,7 @@ class RoutedCalls:
             T, k = index.shape
             token = torch.arange(T).repeat_interleave(k)
             expert = index.reshape(-1)
-            w = weights.reshape(-1, 1).to(y_out.dtype)
+            w = weights.reshape(-1, 1)
             up_name, down_name = _projections(m)
             W_up, W_down = getattr(m, up_name).detach(), getattr(m, down_name).detach()
             a_up = x[token]
@@ -262,7 +262,10 @@ class RoutedCalls:
                 if m.has_bias:
                     y = y + getattr(m, down_name + "_bias").detach()[expert]
                 z = m.post_expert_norm(y) if m.has_post_expert_norm else y
-                g_z = w * y_out.grad.detach()[token]
+                # the eager loop's z * w, in their promoted dtype (bf16 under autocast when the
+                # router's weights are bf16): its gradient is the output's rounded to it
+                weighted = torch.promote_types(z.dtype, w.dtype)
+                g_z = w.to(weighted) * y_out.grad.detach()[token].to(weighted)
                 # dL/dh through the down projection and the module's own gate; dL/dy through
                 # the post-expert norm (without one, dL/dy = w dL/dout_t)
                 g_h, g_y = torch.autograd.grad(z, (p_up, p_down), g_z)

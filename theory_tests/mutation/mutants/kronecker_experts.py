@@ -7,19 +7,52 @@ __all__ = ["MUTANTS"]
 
 T_TORCHTITAN = "torch_impl/kronecker/experts/torchtitan.py"
 T_TRANSFORMERS = "torch_impl/kronecker/experts/transformers.py"
+T_RECOMPUTE = "torch_impl/kronecker/experts/recompute.py"
+T_ARITHMETIC = "torch_impl/kronecker/experts/arithmetic.py"
 
 
 MUTANTS = {
     "MOE-MKOR": [
         # the routing weight left out of the gradient rows (down and, through it, up)
-        Mutant(T_TRANSFORMERS, "        g_y = (w.to(grad_out.dtype) * grad_out.detach()[token]).to(y_dtype)",
-               "        g_y = grad_out.detach()[token].to(y_dtype)"),
+        Mutant(T_RECOMPUTE, "        g_z = (g_w * weights.to(weighted)).to(z.dtype)",
+               "        g_z = g_w.to(z.dtype)"),
         # the down projection fed the gate's input instead of its output
-        Mutant(T_TRANSFORMERS, "    return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]",
-               "    return token, expert, [(x, g_h), (h.detach()[:, :a2.shape[1]], g_y.detach())]"),
+        Mutant(T_RECOMPUTE, " (a_down, g_y.detach())]",
+               " (h.detach()[:, :a_down.shape[1]].to(a_down.dtype), g_y.detach())]"),
         # the up projection's gradient rows taken after its float32 bias, not of its product
-        Mutant(T_TRANSFORMERS, "    g_h = g_h.detach().to(product_dtype(x, up.weight))\n",
-               "    g_h = g_h.detach()\n"),
+        Mutant(T_RECOMPUTE, "    return [(a_up, g_h.detach().to(p_up.dtype)),",
+               "    return [(a_up, g_h.detach()),"),
+    ],
+    "MOE-ARITH": [
+        # a recompute in the wrong dtype: the rows rounded as the rule assumed before (the
+        # autocast dtype, else the promoted one), not as the forward's product had them
+        Mutant(T_TRANSFORMERS, "    if arithmetic is None:\n        arithmetic = _nothing_multiplied(module, hidden)",
+               "    if True:\n        arithmetic = _nothing_multiplied(module, hidden)"),
+        # under autocast, the a rows taken as autocast's copy, not as the layer's input
+        Mutant(T_RECOMPUTE, "    if torch.is_autocast_enabled(device) and product.dtype == torch.get_autocast_dtype(device):",
+               "    if False:"),
+        # the products recomputed under the forward's autocast (grouped_mm's are not)
+        Mutant(T_RECOMPUTE, "    with torch.autocast(device, enabled=False):\n        h = up.forward(x.to(p_up.dtype))",
+               "    with torch.autocast(device, enabled=torch.is_autocast_enabled(device)):\n"
+               "        h = up.forward(x.to(p_up.dtype))"),
+        # the output gradient not rounded to the forward's accumulator (Inkling2's float32)
+        Mutant(T_RECOMPUTE, "        g_w = g_out.to(arithmetic.accumulator).to(weighted)",
+               "        g_w = g_out.to(weighted)"),
+        # the accumulator read as the output's dtype, the cast before it not seen
+        Mutant(T_ARITHMETIC, "        accumulator = self.cast_from.get(ptr, output.dtype) if ptr is not None else output.dtype",
+               "        accumulator = output.dtype"),
+        # the eager loop's structure ignored: every pair gated at once, not expert by expert
+        Mutant(T_TRANSFORMERS, "    if not arithmetic.per_expert:  # a stack multiplied at once",
+               "    if True:  # a stack multiplied at once"),
+        # an in-place bias add (batched_mm) not rounded to the product's dtype
+        Mutant(T_RECOMPUTE, "    return y if bias is None else (y + bias.to(product.bias)).to(product.out)",
+               "    return y if bias is None else (y + bias.to(product.bias))"),
+        # an in-place bias add read as an out-of-place one (the promoted dtype)
+        Mutant(T_ARITHMETIC, "            self.bias_adds[name].add((b.dtype, outs[0].dtype))",
+               "            self.bias_adds[name].add((b.dtype, torch.promote_types(b.dtype, outs[0].dtype)))"),
+        # a weight's cast (autocast's, the privacy filter's .float()) not followed
+        Mutant(T_ARITHMETIC, "                for o in outs:\n                    self._set(o, (\"w\", name))",
+               "                pass"),
     ],
     "MOE-DISCOVERY": [
         # a declared bias taken on trust

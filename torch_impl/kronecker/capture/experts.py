@@ -2,8 +2,10 @@
 experts module for all its projections (each layout through its adapter,
 :mod:`torch_impl.kronecker.experts`). The rows are recomputed from the call's inputs and the
 gradient of its output in that output's gradient hook, under the autocast state the forward
-ran in, and each routed pair reads its token's mask; pairing, recomputes, masks and the
-self-check are the capture's own (``torch_impl/kronecker/experts/README.md``)."""
+ran in and with the dtypes its forward computed in (read in the forward hook:
+:mod:`torch_impl.kronecker.experts.arithmetic`), and each routed pair reads its token's
+mask; pairing, recomputes, masks and the self-check are the capture's own
+(``torch_impl/kronecker/experts/README.md``)."""
 import torch
 
 from .guards import _guarded, _in_backward, _named_error, _untracked
@@ -17,13 +19,14 @@ class ExpertRows:
     def __init__(self, capture):
         self.capture = capture
 
-    def _commit_rows(self, layers, module, inputs, grad, ctx, found):
+    def _commit_rows(self, layers, module, inputs, grad, ctx, found, arithmetic):
         """Commit one call's statistics of every projection of a fused experts module from
-        the gradient of its output (the layout adapter's ``rows``); ``found``: the layout of
-        the call's token rows, followed to each routed pair through its token."""
+        the gradient of its output (the layout adapter's ``rows``, with the ``arithmetic``
+        its ``observe`` read of the forward); ``found``: the layout of the call's token rows,
+        followed to each routed pair through its token."""
         capture = self.capture
         with _untracked(ctx):
-            token, expert, rows = layers[0].module.layout.rows(module, inputs, grad)
+            token, expert, rows = layers[0].module.layout.rows(module, inputs, grad, arithmetic)
             mask = None if found.mask is None else found.mask[token]
             checking = capture.check.checking
             for layer, (a, g) in zip(layers, rows):
@@ -68,6 +71,8 @@ class ExpertRows:
             device = inputs[0].device.type  # the rows are recomputed as the forward ran them
             autocast = (device, torch.get_autocast_dtype(device),
                         torch.is_autocast_enabled(device))
+            with _untracked(ctx):  # the dtypes it computed in, read from the forward itself
+                arithmetic = layers[0].module.layout.observe(module, inputs)
             if not replay:
                 for layer in layers:
                     capture.captured(layer)
@@ -76,7 +81,8 @@ class ExpertRows:
                 try:
                     layout = capture.calls.replayed(first, ctx, lead) if replay else found
                     with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):
-                        self._commit_rows(layers, module, inputs, grad, ctx, layout)
+                        self._commit_rows(layers, module, inputs, grad, ctx, layout,
+                                          arithmetic)
                 except Exception as exc:  # noqa: BLE001 - named, never swallowed
                     raise _named_error(first, exc) from exc
                 for layer in layers:

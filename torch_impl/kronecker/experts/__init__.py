@@ -3,7 +3,9 @@
 
 * :mod:`.layout` -- a projection as a layer (:class:`ExpertProjection`, its
   :class:`FusedExpertsType`) and the adapter protocol (:class:`ExpertsLayout`);
-* :mod:`.transformers` -- transformers 5's ``use_experts_implementation`` classes;
+* :mod:`.transformers` -- transformers 5's ``use_experts_implementation`` classes, their
+  rows recomputed (:mod:`.recompute`) with the arithmetic read from their forward
+  (:mod:`.arithmetic`);
 * :mod:`.torchtitan` -- torchtitan's ``GroupedExperts``.
 
 Discovery asks :func:`experts_layout` which adapter, if any, describes a module.

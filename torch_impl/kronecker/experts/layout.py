@@ -81,11 +81,18 @@ class ExpertsLayout:
         whose leading dimensions index the call's rows (its token mask's layout)."""
         raise NotImplementedError
 
-    def rows(self, module, inputs, grad_out):
+    def observe(self, module, inputs):
+        """What :meth:`rows` needs to know of the arithmetic the call's forward really ran
+        (read in the forward hook, from the forward itself), or None when the layout fixes
+        it (torchtitan's explicit bf16 grouped mms)."""
+        return None
+
+    def rows(self, module, inputs, grad_out, arithmetic=None):
         """``(token, expert, rows)`` of one call: ``token`` (S,) each row's index into the
         flattened leading dimensions of ``inputs[0]``, ``expert`` (S,) its expert, ``rows``
         one ``(a, g)`` of (S, d) per projection. Raises on what the rows cannot be (expert
-        parallelism). Runs under the forward's autocast state."""
+        parallelism). Runs under the forward's autocast state; ``arithmetic`` is what
+        :meth:`observe` read of the call."""
         raise NotImplementedError
 
 

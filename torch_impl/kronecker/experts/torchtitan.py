@@ -119,7 +119,7 @@ class GroupedExpertsLayout(ExpertsLayout):
         bound = inspect.signature(_base(module).forward).bind(module, *args, **kwargs)
         return tuple(bound.arguments.values())[1:]
 
-    def rows(self, module, inputs, grad_out):
+    def rows(self, module, inputs, grad_out, arithmetic=None):
         x, counts = inputs
         E = module.num_experts
         if counts.numel() != E:

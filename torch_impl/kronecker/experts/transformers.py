@@ -28,7 +28,10 @@ The rows are not observable at the module's boundary (h and a_2 live inside its 
 whichever experts implementation runs it), so on a capture step they are recomputed from the
 module's inputs and the gradient of its output, in the gradient hook: one more pass through
 the routed experts, with the module's own ``_apply_gate``, activation and norm, so every
-layout the decorator declares is handled. Refused with the layout named: expert parallelism
+layout the decorator declares is handled, and with the arithmetic the forward really ran
+(its products' dtypes, bias adds, structure and accumulator), read in the forward hook from
+the forward itself (:mod:`.arithmetic`; the recompute: :mod:`.recompute`). Refused with the
+layout named: expert parallelism
 (sentinel expert ids); a forward that does not take (hidden_states, top_k_index,
 top_k_weights). :class:`TransformersExperts` is this layout's adapter
 (:mod:`.layout`; torchtitan's ``GroupedExperts`` is :mod:`.torchtitan`).
@@ -37,10 +40,12 @@ import inspect
 
 import torch
 
+from .arithmetic import Arithmetic, Product, observe
 from .layout import ExpertProjection, ExpertsLayout, product_dtype
+from .recompute import ByExpert, Linear, eager_order, group_rows, in_pair_order
 
 __all__ = ["TransformersExperts", "TRANSFORMERS", "is_fused_experts", "expert_projections",
-           "expert_rows", "bind_expert_inputs"]
+           "expert_rows", "bind_expert_inputs", "observe_arithmetic"]
 
 #: what ``use_experts_implementation`` sets on every instance of a decorated class
 _LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -105,67 +110,75 @@ def bind_expert_inputs(module, args, kwargs):
     return tuple(bound.arguments[n] for n in _input_names(module))
 
 
-def _linear(x, weight, bias, transposed):
-    y = x @ weight if transposed else x @ weight.T
-    return y if bias is None else y + bias
+def observe_arithmetic(module, hidden, top_k_index, top_k_weights):
+    """The dtypes this call's forward computed in (:func:`~.arithmetic.observe`), read from
+    the module's own forward on the call's first token, or None for a call with no tokens
+    (it has no rows)."""
+    if hidden.shape[0] == 0:
+        return None
+    names = _input_names(module)
+    probe = (hidden[:1], top_k_index[:1], top_k_weights[:1])
+    first = list(inspect.signature(type(module).forward).parameters)[1:4]
+    # positionally where the forward takes them first (the experts implementations
+    # transformers dispatches to name them their own way), else by the class's names
+    args, kwargs = (probe, {}) if first == names else ((), dict(zip(names, probe)))
+    return observe(module, args, kwargs, expert_projections(module))
 
 
-def _by_expert(fn, rows, order, counts):
-    """``fn(e, rows of expert e)`` for every expert with pairs, put back in the pairs' order:
-    one product per expert on a contiguous run of the pairs sorted by expert."""
-    parts, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            parts.append(fn(e, rows[order[start:start + n]]))
-        start += n
-    if not parts:
-        return rows.new_zeros(0, 0)
-    sorted_out = torch.cat(parts)
-    out = sorted_out.new_empty(sorted_out.shape)
-    out[order] = sorted_out
-    return out
+def _nothing_multiplied(module, hidden):
+    """The arithmetic of a call with no tokens, which multiplies nothing (its rows are
+    empty, whatever their dtypes): the promoted ones."""
+    products = {}
+    for name, p in expert_projections(module):
+        dtype = product_dtype(hidden, p.weight)
+        bias = None if p.bias is None else torch.promote_types(dtype, p.bias.dtype)
+        products[name] = Product(dtype, bias, bias)
+    return Arithmetic(products, hidden.dtype)
 
 
-def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out):
+def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out, arithmetic=None):
     """Every routed pair's rows of both projections, recomputed from the call's inputs and
-    the gradient of its output (module docstring). Returns ``(token, expert, rows)``:
-    ``token``, ``expert`` (S,) per pair in (token, slot) order, and ``rows`` a list of
-    ``(a, g)`` per projection (up, down), each (S, d). No graph is kept. The caller runs it
-    under the forward's autocast state, so the rows are the ones the forward multiplied."""
+    the gradient of its output with the forward's ``arithmetic``
+    (:func:`observe_arithmetic`; :mod:`.recompute`; module docstring). Returns
+    ``(token, expert, rows)``: ``token``, ``expert`` (S,) per pair in (token, slot) order,
+    and ``rows`` a list of ``(a, g)`` per projection (up, down), each (S, d): a the rows the
+    projection's product multiplied, g the gradient of that product's result. No graph is
+    kept. The caller runs it under the forward's autocast state."""
     if getattr(module, "_is_expert_parallel", False):
         raise ValueError("fused experts under expert parallelism (sentinel expert ids): the "
                          "rows of the experts this rank does not hold are not here")
     T, k = top_k_index.shape
     expert = top_k_index.reshape(-1)
     token = torch.arange(T, device=expert.device).repeat_interleave(k)
-    (_, up), (_, down) = expert_projections(module)
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=module.num_experts).tolist()  # one host sync
-
-    def weights(projection, e):
-        bias = None if projection.bias is None else projection.bias.detach()[e]
-        return projection.weight.detach()[e], bias
-
+    (up_name, up), (down_name, down) = expert_projections(module)
+    if arithmetic is None:  # read now (the caller runs under the forward's autocast)
+        arithmetic = observe_arithmetic(module, hidden, top_k_index, top_k_weights)
+    if arithmetic is None:
+        arithmetic = _nothing_multiplied(module, hidden)
+    names = (up_name, down_name)
     x = hidden.detach()[token]
-    h = _by_expert(lambda e, rows: _linear(rows, *weights(up, e), up.transposed),
-                   x, order, counts)
-    with torch.enable_grad():
-        h = h.requires_grad_()
-        a2 = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        w = top_k_weights.reshape(-1, 1)
-        y_dtype = product_dtype(a2, down.weight)
-        g_y = (w.to(grad_out.dtype) * grad_out.detach()[token]).to(y_dtype)
-        if module.has_post_expert_norm:  # dL/dy through the norm applied after each expert
-            y = _by_expert(lambda e, rows: _linear(rows, *weights(down, e), down.transposed),
-                           a2.detach(), order, counts).requires_grad_()
-            (g_y,) = torch.autograd.grad(module.post_expert_norm(y), y, g_y.to(y.dtype))
-        # dL/da2 = dL/dy W_down (the product's input gradient), then the gate's VJP
-        g_a2 = _by_expert(lambda e, rows: rows @ (down.weight.detach()[e].T if down.transposed
-                                                  else down.weight.detach()[e]),
-                          g_y.to(a2.dtype), order, counts)
-        (g_h,) = torch.autograd.grad(a2, h, g_a2.to(a2.dtype))
-    g_h = g_h.detach().to(product_dtype(x, up.weight))
-    return token, expert, [(x, g_h), (a2.detach(), g_y.detach())]
+    weights = top_k_weights.detach().reshape(-1, 1)
+    g_out = grad_out.detach()[token]
+    counts = torch.bincount(expert, minlength=module.num_experts).tolist()  # one host sync
+    if not arithmetic.per_expert:  # a stack multiplied at once: all pairs together
+        order = torch.argsort(expert, stable=True)
+        rows = group_rows(module, arithmetic, names, x, weights, g_out,
+                          ByExpert(up, arithmetic.products[up_name], order, counts),
+                          ByExpert(down, arithmetic.products[down_name], order, counts))
+        return token, expert, rows
+    # one expert's matrix at a time: each expert's pairs alone, in the eager loop's order
+    slot = torch.arange(k, device=expert.device).repeat(T)
+    order = eager_order(expert, slot, token, T * k)
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            pick = order[start:start + n]
+            groups.append((pick, group_rows(
+                module, arithmetic, names, x[pick], weights[pick], g_out[pick],
+                Linear(up, arithmetic.products[up_name], e),
+                Linear(down, arithmetic.products[down_name], e))))
+        start += n
+    return token, expert, in_pair_order(groups, T * k)
 
 
 class TransformersExperts(ExpertsLayout):
@@ -186,8 +199,11 @@ class TransformersExperts(ExpertsLayout):
     def bind(self, module, args, kwargs):
         return bind_expert_inputs(module, args, kwargs)
 
-    def rows(self, module, inputs, grad_out):
-        return expert_rows(module, *inputs, grad_out)
+    def observe(self, module, inputs):
+        return observe_arithmetic(module, *inputs)
+
+    def rows(self, module, inputs, grad_out, arithmetic=None):
+        return expert_rows(module, *inputs, grad_out, arithmetic)
 
 
 TRANSFORMERS = TransformersExperts()
