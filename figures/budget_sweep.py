@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from . import fixed_sums
+
 
 # ------------------------------------------------------------------ the lr-grid rule
 def initial_points(n):
@@ -73,7 +75,7 @@ class Search:
         self.pending -= 1
         if len(self.parts[k]) == self.n_seeds:
             vals = self.parts[k]
-            self.scores[k] = float(np.mean(vals)) if all(map(math.isfinite, vals)) else math.inf
+            self.scores[k] = fixed_sums.mean(vals) if all(map(math.isfinite, vals)) else math.inf
         if self.pending:
             return False
         k = next_point(self.scores, self.widened, self.max_widen)
@@ -176,10 +178,10 @@ def paired_ci(a, b, level=0.95):
 
     d = np.asarray(a, float) - np.asarray(b, float)
     n = len(d)
-    out = dict(diff=float(d.mean()), n=n, df=n - 1, method="paired t")
+    out = dict(diff=fixed_sums.mean(d), n=n, df=n - 1, method="paired t")
     if n < 2 or not np.all(np.isfinite(d)):
         return dict(out, lo=math.nan, hi=math.nan, se=math.nan, t_crit=math.nan)
-    se = float(d.std(ddof=1) / math.sqrt(n))
+    se = fixed_sums.sd(d) / math.sqrt(n)
     crit = float(t.ppf((1 + level) / 2, n - 1))
     return dict(out, lo=out["diff"] - crit * se, hi=out["diff"] + crit * se, se=se,
                 t_crit=crit)
@@ -192,12 +194,12 @@ def welch_ci(a, b, level=0.95):
     from .common import welch_df
 
     a, b = np.asarray(a, float), np.asarray(b, float)
-    diff = float(a.mean() - b.mean())
+    diff = fixed_sums.mean(a) - fixed_sums.mean(b)
     df = welch_df(a, b)
     if not math.isfinite(df) or not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
         return dict(diff=diff, lo=math.nan, hi=math.nan, se=math.nan, df=df, t_crit=math.nan,
                     method="Welch")
-    se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    se = math.sqrt(fixed_sums.var(a) / len(a) + fixed_sums.var(b) / len(b))
     crit = float(t.ppf((1 + level) / 2, df))
     return dict(diff=diff, lo=diff - crit * se, hi=diff + crit * se, se=se, df=df,
                 t_crit=crit, method="Welch")

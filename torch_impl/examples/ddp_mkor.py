@@ -1,12 +1,13 @@
-"""MKOR under DistributedDataParallel, one process per rank:
+"""MKOR under DistributedDataParallel, one process per rank, launched by torchrun:
 
     torchrun --nproc_per_node 2 -m torch_impl.examples.ddp_mkor --steps 50
 
-(gloo on CPU, NCCL when CUDA is present.) Each rank trains the same MLP on its own slice of
-a synthetic teacher-student batch; DDP averages the weight gradients and MKOR all-reduces
-only its rank-1 vectors, so the inverse factors stay identical on every rank. Rank 0
-prints the loss, the bytes MKOR all-reduced per factor update next to what K-FAC would
-send for the same model, and whether every rank holds the same factors.
+(gloo on CPU, NCCL when CUDA is present; run without torchrun it trains as one process and
+says so.) Each rank trains the same MLP on its own slice of a synthetic teacher-student
+batch; DDP averages the weight gradients and MKOR all-reduces only its rank-1 vectors, so
+the inverse factors stay identical on every rank. Rank 0 prints the loss, the bytes MKOR
+all-reduced per factor update next to what K-FAC would send for the same model, and whether
+every rank holds the same factors.
 """
 import argparse
 import copy
@@ -18,17 +19,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_impl.baselines import KFAC
-
+from torch_impl.examples import launcher
 from torch_impl.mkor import MKOR
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch", type=int, default=64, help="global batch, split over ranks")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--inv-freq", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.05)
+    p = argparse.ArgumentParser(prog="python -m torch_impl.examples.ddp_mkor",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=50, help="Training steps (default 50).")
+    p.add_argument("--batch", type=int, default=64,
+                   help="The global batch, split over the ranks (default 64).")
+    p.add_argument("--width", type=int, default=64,
+                   help="Hidden width of the MLP (default 64).")
+    p.add_argument("--inv-freq", type=int, default=5,
+                   help="Steps between MKOR's factor updates (default 5).")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="SGD's learning rate, MKOR's backbone (default 0.05).")
     return p.parse_args(argv)
 
 
@@ -38,8 +45,8 @@ def main(argv=None):
     args = parse(argv)
     cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()
-    if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK
-        dist.init_process_group("nccl" if cuda else "gloo")
+    if owns_group:  # torchrun's group, or one process without a launcher
+        launcher.start("ddp_mkor", "nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
         torch.device("cpu")
@@ -81,7 +88,8 @@ def main(argv=None):
               "payload_bytes": mkor.payload_bytes, "kfac_payload_bytes": kfac_bytes,
               "communicated_bytes": mkor.communicated_bytes}
     if rank == 0:
-        print(f"{world} ranks, {args.steps} steps: loss {result['loss']:.4g}; MKOR all-reduced "
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        print(f"{ranks}, {args.steps} steps: loss {result['loss']:.4g}; MKOR all-reduced "
               f"{mkor.payload_bytes} B per factor update ({mkor.communicated_bytes} B in all), "
               f"K-FAC would send {kfac_bytes} B; factors identical on every rank: "
               f"{result['factors_identical']}")

@@ -4,8 +4,9 @@ checkpoint, one process per rank:
     torchrun --nproc_per_node 2 -m torch_impl.examples.fsdp2_train --optimizer mkor --steps 20 --checkpoint /tmp/ckpt
     torchrun --nproc_per_node 2 -m torch_impl.examples.fsdp2_train --optimizer mkor --steps 20 --checkpoint /tmp/ckpt --resume
 
-(gloo on CPU, NCCL when CUDA is present; ``--optimizer`` is one of mkor, kfac, mars, mars_m,
-or adamw: MKOR's and K-FAC's backbone alone, for comparison.)
+(gloo on CPU, NCCL when CUDA is present; run without torchrun it trains as one process and
+says so; ``--optimizer`` is one of mkor, kfac, mars, mars_m, or adamw: MKOR's and K-FAC's
+backbone alone, for comparison.)
 The first command trains ``--steps`` steps and saves a distributed checkpoint
 (``torch.distributed.checkpoint``) after half of them; the second loads it and runs the
 second half again, ending where the first run ended. Each rank trains on its own slice of
@@ -28,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from torch_impl import KFAC, MARS, MARSM, MKOR
+from torch_impl.examples import launcher
 
 OPTIMIZERS = ("mkor", "kfac", "mars", "mars_m", "adamw")  # adamw: the backbone alone
 NEEDS = ('needs transformers, which the library does not bring: pip install "transformers>=4.46" '
@@ -45,21 +47,33 @@ def llama():
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=f"This example {NEEDS}.")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="mkor")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=8, help="global batch, split over ranks")
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--inv-freq", type=int, default=5, help="MKOR / K-FAC factor updates")
+    # the whole docstring: its last paragraph says what the example needs and how to get it
+    p = argparse.ArgumentParser(prog="python -m torch_impl.examples.fsdp2_train",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="mkor",
+                   help="The optimizer (default mkor; adamw: MKOR's and K-FAC's backbone "
+                        "alone).")
+    p.add_argument("--steps", type=int, default=20, help="Training steps (default 20).")
+    p.add_argument("--batch", type=int, default=8,
+                   help="The global batch, split over the ranks (default 8).")
+    p.add_argument("--seq", type=int, default=16, help="Tokens per sequence (default 16).")
+    p.add_argument("--lr", type=float, default=3e-3, help="Learning rate (default 3e-3).")
+    p.add_argument("--inv-freq", type=int, default=5,
+                   help="Steps between MKOR's or K-FAC's factor updates (default 5).")
     p.add_argument("--factor-placement", choices=("replicated", "owner"), default="replicated",
-                   help="MKOR / K-FAC: every rank holds every factor, or one owner per layer")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--seed", type=int, default=0, help="initial weights")
-    p.add_argument("--checkpoint", help="DCP directory: saved after half the steps")
-    p.add_argument("--resume", action="store_true", help="load --checkpoint and continue")
-    p.add_argument("--log-every", type=int, default=5)
+                   help="MKOR / K-FAC: every rank holds every factor, or one owner per layer "
+                        "(default replicated).")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="The model's dtype (default float32).")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seed of the initial weights (default 0).")
+    p.add_argument("--checkpoint",
+                   help="A DCP directory: the run saves there after half its steps.")
+    p.add_argument("--resume", action="store_true",
+                   help="Load --checkpoint and run its second half again.")
+    p.add_argument("--log-every", type=int, default=5,
+                   help="Steps between rank 0's loss lines (default 5).")
     return p.parse_args(argv)
 
 
@@ -97,8 +111,8 @@ def main(argv=None):
     LlamaConfig, LlamaForCausalLM = llama()  # before any process group exists
     cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()
-    if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK
-        dist.init_process_group("nccl" if cuda else "gloo")
+    if owns_group:  # torchrun's group, or one process without a launcher
+        launcher.start("fsdp2_train", "nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -150,7 +164,8 @@ def main(argv=None):
     params = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}  # a collective
     if rank == 0:
         first = f"from {losses[start]:.4f} " if losses else ""
-        print(f"{args.optimizer} on {world} ranks, steps {start}..{args.steps - 1}: loss "
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        print(f"{args.optimizer} on {ranks}, steps {start}..{args.steps - 1}: loss "
               f"{first}to {losses.get(args.steps - 1, float('nan')):.4f}", flush=True)
     if owns_group:
         dist.destroy_process_group()

@@ -107,3 +107,24 @@ def llama3_8b_mkor():
     # per layer, placed on one rank each by factor_placement="owner".
     return with_optimizer(llama3_8b(), mkor(lr=3e-4, max_factor_dim=16384,
                                             factor_placement="owner"))
+
+
+CONFIGS = [name for name in __all__ if name.startswith("llama3_")]
+
+
+def parse(argv=None):
+    """``python -m torch_impl.examples.torchtitan_configs``: this module trains nothing
+    itself, torchtitan does; run alone (or with ``--help``) it prints how, and its configs."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m torch_impl.examples.torchtitan_configs",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="The configs (each a --config of the command above):\n"
+                                       + "".join(f"  {name}\n" for name in CONFIGS))
+    p.parse_args(argv)
+    return p
+
+
+if __name__ == "__main__":
+    parse().print_help()

@@ -1,4 +1,5 @@
-"""Mutants of the figures' reproduction checks (``figures/``), keyed by the
+"""Mutants of the figures' reproduction checks, progress lines and environment (``figures/``,
+and the mutation harness's own progress lines), keyed by the
 ``paper_notes/claims.md`` row whose tests must kill them (``theory_tests/mutation/mutant.py``
 says what a mutant is)."""
 from ..mutant import Mutant
@@ -8,6 +9,12 @@ __all__ = ["MUTANTS"]
 F_CLI = "figures/cli.py"
 F_COMMON = "figures/common.py"
 F_REPRO = "figures/repro.py"
+F_SUMS = "figures/fixed_sums.py"
+F_VARIANCE = "figures/experiments/variance_reduction.py"
+F_PROGRESS = "figures/progress.py"
+F_SUMMARY = "figures/summary.py"
+F_HARNESS = "theory_tests/mutation/harness.py"
+PYPROJECT = "pyproject.toml"
 
 
 MUTANTS = {
@@ -35,5 +42,60 @@ MUTANTS = {
         Mutant(F_CLI, "    if drifted and not args.update:", "    if drifted and args.update:"),
         # --help cut at the description's first line again
         Mutant(F_CLI, "description=DESCRIPTION,", "description=DESCRIPTION.splitlines()[0],"),
+    ],
+    "FIG-LAST-PLACE": [
+        # bit for bit again: the one-ulp difference of a reduction is a drift
+        Mutant(F_REPRO, "ULPS = 4\n", "ULPS = 0\n"),
+        # any difference of finite floats passes in the committed environment
+        Mutant(F_REPRO, "    return math.isfinite(a) and math.isfinite(b) and ulps_apart(a, b) <= ULPS",
+               "    return math.isfinite(a) and math.isfinite(b)"),
+        # the JSON's numbers bit for bit again (the CSV's keep the allowance)
+        Mutant(F_REPRO, "        if not same and last_place(fresh, committed):",
+               "        if not same and False:"),
+        # the CSV's values bit for bit again (the JSON's keep the allowance)
+        Mutant(F_REPRO, "        if result.exact and last_place(a, b):", "        if False:"),
+        # a plain left-to-right sum: its result depends on the order
+        Mutant(F_SUMS, "        return math.fsum(xs)\n", "        return sum(xs)\n"),
+        # NumPy's mean of the slice again (issue 45 item 6)
+        Mutant(F_VARIANCE, "fixed_sums.mean(v[:, half:])", "float(v[:, half:].mean())"),
+        # the summary table's seed mean by NumPy again
+        Mutant(F_COMMON, "final=fixed_sums.mean(finals)", "final=float(np.mean(finals))"),
+    ],
+    "FIG-PROGRESS": [
+        # a waiting task queued behind the busiest worker, not on the first free one
+        Mutant(F_PROGRESS, "            free[0] += self.recorded[t] * k",
+               "            free[-1] += self.recorded[t] * k"),
+        # the recorded durations taken as they are, whatever this run's speed
+        Mutant(F_PROGRESS, "        k = sum(t for t, _ in pairs) / recorded if recorded > 0 else 1.0",
+               "        k = 1.0"),
+        # before any task finishes, the recorded speed, however long the running ones take
+        Mutant(F_PROGRESS, "        return max(k, min(running)) if running else k",
+               "        return k"),
+        # a heartbeat line on every poll, not after a minute of silence
+        Mutant(F_PROGRESS, "        if now - self.last < HEARTBEAT:\n            return\n", ""),
+        # a worker records its own command line again (doubled flags, a temporary folder)
+        Mutant(F_CLI, "                    command=command or command_line(argv))",
+               "                    command=command_line(argv))"),
+        # the worker flags appended even when the command has them
+        Mutant(F_CLI, 'return rest + [flag for flag in ("--no-progress", "--no-summary") if flag not in rest]',
+               'return rest + ["--no-progress", "--no-summary"]'),
+        # a finished task is not reported
+        Mutant(F_CLI, "                progress.finished(label)\n", ""),
+        # a worker no longer says which task it starts
+        Mutant(F_CLI, "        _STARTS.put(label)\n", "        pass\n"),
+        # the mutation harness's time left: the elapsed time times the mutants left
+        Mutant(F_HARNESS, "    left = elapsed / done * (total - done) if done else 0.0",
+               "    left = elapsed * (total - done)"),
+        # no total before the first mutant
+        Mutant(F_HARNESS, '    print(f"{len(todo)} mutants to run on {max(1, args.jobs)} worker(s)", flush=True)\n',
+               ""),
+    ],
+    "FIG-ENVIRONMENT": [
+        # transformers unpinned: a newer one changes the BERT figures' last bits
+        Mutant(PYPROJECT, '    "transformers==5.25.0",\n', '    "transformers>=4.46",\n'),
+        # the summary claims one environment whatever the figures record
+        Mutant(F_SUMMARY, "    if all(p == first for p in prints):", "    if True:"),
+        # scipy's version no longer recorded: the budget scan's intervals depend on it
+        Mutant(F_COMMON, '("scipy", "scipy"), ', ""),
     ],
 }

@@ -9,6 +9,10 @@ __all__ = ["MUTANTS"]
 README = "README.md"
 PYPROJECT = "pyproject.toml"
 T_FSDP2_TRAIN = "torch_impl/examples/fsdp2_train.py"
+T_DDP = "torch_impl/examples/ddp_mkor.py"
+T_LAUNCHER = "torch_impl/examples/launcher.py"
+T_TITAN = "torch_impl/examples/torchtitan_configs.py"
+CI = ".ci/run"
 T_README = "torch_impl/kronecker/README.md"
 
 _R = "theory_tests/project/test_readme.py::"
@@ -18,6 +22,7 @@ EXAMPLE = (_P + "test_shipped_modules_need_only_the_library_and_the_fsdp2_exampl
 RUNS_ALONE = (_R + "test_python_examples_run",)
 SAYS_ROOT = (_R + "test_a_block_that_needs_the_checkout_says_so",)
 SPDX = (_P + "test_pyproject_names_the_license_by_its_spdx_id",)
+CI_RUNS = (_R + "test_ci_runs_the_readme_commands",)
 
 MUTANTS = {
     "PORT-NEWCOMER": [
@@ -39,9 +44,9 @@ MUTANTS = {
         # A missing transformers raises the bare ImportError, without the install command.
         Mutant(T_FSDP2_TRAIN, '        raise ImportError(f"torch_impl.examples.fsdp2_train {NEEDS} ({error})") from error\n',
                "        raise\n", tests=EXAMPLE),
-        # --help no longer says what the example needs.
-        Mutant(T_FSDP2_TRAIN, '                                epilog=f"This example {NEEDS}.")\n',
-               "                                epilog=None)\n", tests=EXAMPLE),
+        # The top (and --help, which shows it whole) no longer gives the install command.
+        Mutant(T_FSDP2_TRAIN, '''``pip install "transformers>=4.46"``, or the ``examples`` extra''',
+               "``pip install transformers``, or the ``examples`` extra", tests=EXAMPLE),
         # transformers imported when the module is (so --help and the message never show).
         Mutant(T_FSDP2_TRAIN, "from torch_impl import KFAC, MARS, MARSM, MKOR\n",
                "from torch_impl import KFAC, MARS, MARSM, MKOR\nfrom transformers import LlamaConfig\n",
@@ -53,5 +58,34 @@ MUTANTS = {
         # A build backend too old for PEP 639's license fields.
         Mutant(PYPROJECT, 'requires = ["setuptools>=77", "wheel"]', 'requires = ["setuptools>=68", "wheel"]',
                tests=SPDX),
+        # CI installs torch its own way again, not by the README's CPU line (issue 45 item 7)
+        Mutant(CI, "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu\n",
+               "python -m pip install -q torch==2.13.0\n", tests=CI_RUNS),
+    ],
+    "TEST-WARNINGS": [
+        # a blanket filter: every UserWarning hidden, expected or not
+        Mutant(PYPROJECT, '    "ignore:(MKOR|KFAC). nothing is preconditioned, every parameter goes to the backbone:UserWarning",\n',
+               '    "ignore::UserWarning",\n'),
+        # the library's words from any source hidden
+        Mutant(PYPROJECT, '"ignore:(MKOR|KFAC). nothing is preconditioned,', '"ignore:.*nothing is preconditioned,'),
+        # a deliberately triggered warning of the library shown again
+        Mutant(PYPROJECT, '    "ignore:(MKOR|KFAC). the model already carried the hooks of an earlier (MKOR|KFAC);:UserWarning",\n',
+               ""),
+    ],
+    "EXAMPLES-LAUNCH": [
+        # torch's env:// rendezvous without a launcher: the raw error about RANK
+        Mutant(T_LAUNCHER, '    if "RANK" in os.environ:\n', "    if True:\n"),
+        # one process, silently: nothing says how to launch several
+        Mutant(T_LAUNCHER, "          file=sys.stderr, flush=True)\n", "          file=open(os.devnull, \"w\"))\n"),
+        # --help cut at the docstring's first line again
+        Mutant(T_DDP, "                                description=__doc__,\n",
+               "                                description=__doc__.splitlines()[0],\n"),
+        Mutant(T_FSDP2_TRAIN, "                                description=__doc__,\n",
+               "                                description=__doc__.splitlines()[0],\n"),
+        # an option without its sentence
+        Mutant(T_DDP, '                   help="Hidden width of the MLP (default 64).")',
+               "                   help=None)"),
+        # run alone, the configs module prints nothing again
+        Mutant(T_TITAN, "    parse().print_help()\n", "    parse()\n"),
     ],
 }
