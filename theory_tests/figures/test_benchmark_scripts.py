@@ -7,6 +7,7 @@ import torch
 
 from figures.bench import optimizer_step as bench
 from figures.bench import capture_cost as bench_capture_cost
+from figures.bench import self_check_cost as bench_self_check_cost
 from figures.bench import factor_update as bench_factor_update
 from figures.bench import moe_mars_m as bench_moe_mars_m
 
@@ -109,3 +110,10 @@ def test_figures_bench_only_orthogonalisers_runs_the_orthogonalisers_tables(monk
     report = json.loads(out.strip().splitlines()[-1])
     assert set(report) == {"device", "threads", "torch", "repeats", "orthogonalisers"}
     assert "MARS-M options vs torch Muon" in out and "Newton-Schulz alone" in out
+
+
+def test_self_check_cost_benchmark_times_every_contender():
+    times = bench_self_check_cost.main(["--repeats", "1", "--steps", "1"])
+    assert {c for _, c in times} == {"SGD", "MKOR self_check=None", "MKOR default"}
+    assert {m for m, _ in times} == {"bert", "llama", "mixtral"}
+    assert all(len(ts) == 1 and ts[0] > 0 for ts in times.values())
