@@ -271,12 +271,15 @@ def _expert_batch(t, rank):
     return (torch.randn(6, 4, generator=g, dtype=f64), torch.randn(6, 3, generator=g, dtype=f64))
 
 
+@pytest.mark.parametrize("self_check", [True, None], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("kind", ["mkor", "kfac"])
-def test_a_layer_called_with_zero_rows_counts_no_rows_not_a_non_finite_update(kind):
+def test_a_layer_called_with_zero_rows_counts_no_rows_not_a_non_finite_update(kind, self_check):
     """Expert 1 gets 0 rows at every step: it contributes nothing, its factors stay I, and
-    the counters say "no rows", not a non-finite skip; the other layers update."""
+    the counters say "no rows", not a non-finite skip; the other layers update. With the
+    self-check on, its 0-row statistics are refused as vacuous (S = 0) before the step
+    divides; off, the step's own 0-row branch decides: both count "no rows"."""
     model = _Experts()
-    pre = _wrap(kind, model)
+    pre = _wrap(kind, model, self_check=self_check)
     for t in range(3):
         x, y = _expert_batch(t, 0)
         Fn.mse_loss(model(x, route=0), y).backward()
