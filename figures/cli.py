@@ -55,9 +55,9 @@ how each tolerance was derived: figures/README.md, section "Reproducibility"."""
 # --jobs 2``, see figures/README.md), to start the slowest first when ``--jobs`` builds
 # figures in parallel and for the progress lines' estimate (which rescales them by the speed
 # of the run at hand).
-QUICK_SECONDS = {"orthogonalisers": 1214, "shakespeare_gpt": 1151, "mnist1d_mlp": 100,
-                 "budget_scan": 76, "digits_cnn": 51, "bert_mlm": 30, "cost": 7,
-                 "rank1_approximation": 4, "variance_reduction": 4, "noisy_quadratic": 3}
+QUICK_SECONDS = {"orthogonalisers": 304, "shakespeare_gpt": 251, "budget_scan": 38,
+                 "mnist1d_mlp": 34, "bert_mlm": 16, "digits_cnn": 12, "rank1_approximation": 7,
+                 "cost": 5, "noisy_quadratic": 5, "variance_reduction": 3}
 # Seconds of drawing a split figure from its saved parts (nothing is trained; under a second
 # measured), for the progress estimate only.
 DRAW_SECONDS = 1
