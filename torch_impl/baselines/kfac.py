@@ -65,6 +65,13 @@ the (E, d, d) stack; a failing matrix retries alone) and V_e, and its term in th
 sum. The statistics are one batched product per shape (:mod:`.kfac_equations`), the sums
 travel with an (E,) tensor of per-expert counts, and under FSDP2 a stack goes whole to one
 owner.
+
+Flavours (issue 46, :mod:`.kfac_flavours`, KC2-KC5): ``fisher_type`` picks G's columns,
+"empirical" (default: the training backward's rows, all of the above), "mc" or "type-2"
+(:meth:`KFAC.curvature_backward` after the forward, before ``loss.backward()``;
+:mod:`.kfac_curvature`); ``kfac_approx="reduce"``: both factors from per-sample means of a
+and sums of g (a layer input's first leading dimension indexes the samples; a Conv2d's L
+patches are one sample's), not every row ("expand"). The defaults run the code above.
 """
 import warnings
 
@@ -79,8 +86,11 @@ from ..kronecker.exchange import Packet, world_size
 from ..kronecker.optimizer import PreconditionedOptimizer
 from ..kronecker.placement import (FullGradients, OwnerGradients, check_supported_sharding,
                                    kept_here, owner_map, owns)
+from .kfac_curvature import (ColumnSums, check_flavour_options, column_sums,
+                             curvature_backward)
 from .kfac_equations import (decompose, decompose_stack, grad_stat, input_stat, per_sample,
                              preconditioned_gradient)
+from .kfac_flavours import reduce_grad_stat, reduce_input_stat
 
 __all__ = ["KFAC"]
 
@@ -142,6 +152,12 @@ class KFAC(PreconditionedOptimizer):
             there, a layer whose factors have taken no statistic yet is not preconditioned
             (its gradient goes to the backbone unchanged, and it takes no part in the KL
             clip).
+        fisher_type: "empirical" (default; G from the training backward's rows), "mc" or
+            "type-2" (from the columns :meth:`curvature_backward` back-propagates, called on
+            every factor-update step). kfac_approx: "expand" (default) or "reduce" (not for
+            expert stacks, MHA out-projections, or a model with a batch_first=False module).
+        mc_samples: M for "mc" (default 1). generator: a ``torch.Generator`` for "mc"'s
+            draws (default: torch's global one; its state is the caller's to save).
     """
 
     _state_key = "kfac"
@@ -150,7 +166,8 @@ class KFAC(PreconditionedOptimizer):
                  factor_decay=0.95, kl_clip=1e-3, method="eigen", skip_modules=(),
                  grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
                  grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
-                 factor_init_scale=(1.0, 1.0), factor_placement="replicated", self_check=True):
+                 factor_init_scale=(1.0, 1.0), factor_placement="replicated", self_check=True,
+                 fisher_type="empirical", kfac_approx="expand", mc_samples=1, generator=None):
         self._bind(model, optimizer, grad_scaler)
         check_int("inv_freq", inv_freq, low=1)
         check_int("factor_freq", factor_freq, low=1)
@@ -197,10 +214,18 @@ class KFAC(PreconditionedOptimizer):
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
         self.decomposition_failures = 0  # decompositions that kept the previous result
         self.decomposition_retries = 0   # failed attempts (float64 retries, extra damping)
+        check_flavour_options(unwrap_model(model), self._layers, fisher_type, kfac_approx,
+                              mc_samples, generator, grad_hook)
+        self.fisher_type, self.kfac_approx = fisher_type, kfac_approx
+        self.mc_samples, self.generator = mc_samples, generator
+        reduce = kfac_approx == "reduce"
         self._capture = Capture(self._layers, weak_schedule(self.factor_update_due),
-                                input_stat, grad_stat, grad_hook=grad_hook,
+                                reduce_input_stat if reduce else input_stat,
+                                reduce_grad_stat if reduce else grad_stat, grad_hook=grad_hook,
                                 model=unwrap_model(model), mask_kwarg=token_mask,
                                 self_check=self_check)
+        self._columns = None if fisher_type == "empirical" else ColumnSums()
+        self._capture.columns = self._columns
         self._capture.register()
         self._routes = self._plan_routes()
         self.communicated_bytes = 0  # running total all-reduced by this rank (an int)
@@ -224,6 +249,7 @@ class KFAC(PreconditionedOptimizer):
             # a stack of experts sends its (E,) row counts as one more tensor
             packet = Packet(
                 [[self._a_shape(l), self._g_shape(l)] + ([(1,)] if per_sample(l) else []) +
+                 ([(1,)] if self._columns is not None else []) +  # the columns' D
                  ([(l.experts,)] if l.experts is not None else []) for l in layers],
                 [l.has_bias and not l.identity_R and l.experts is None for l in layers],
                 self._dtype, sums=True)
@@ -349,6 +375,7 @@ class KFAC(PreconditionedOptimizer):
                     out.append((layer, None, None, False))
                     continue
                 a_sum, rows, s_sum, samples = mine[layer.name]
+                columns = self._column_sums(layer)  # (sum, D): mc / type-2's G
                 if not isinstance(rows, torch.Tensor) and rows == 0:
                     out.append((layer, None, None, False))  # only calls with 0 rows
                     continue
@@ -358,7 +385,9 @@ class KFAC(PreconditionedOptimizer):
                     rows, samples = _per_matrix(rows), _per_matrix(samples)
                 # s_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
                 # number divided by it would round the factor N / s^2 to float32
-                out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
+                G = (s_sum * samples / scale / scale if columns is None else
+                     columns[0] / columns[1])  # the columns are of the unscaled output
+                out.append((layer, a_sum / rows, G, present))
             return out
         out = []
         for dst, layers, packet in self._routes:
@@ -371,6 +400,9 @@ class KFAC(PreconditionedOptimizer):
                 a_sum, rows, s_sum, samples = mine[layer.name]
                 extra = [torch.as_tensor(samples, dtype=self._dtype).reshape(1)] if per_sample(
                     layer) else []
+                if self._columns is not None:  # G's sums are the columns', with their D
+                    s_sum, den = self._column_sums(layer)
+                    extra.append(torch.as_tensor(den, dtype=self._dtype).reshape(1))
                 if layer.experts is not None:
                     extra.append(rows)  # the (E,) counts: each expert's own
                     rows = 0
@@ -393,8 +425,20 @@ class KFAC(PreconditionedOptimizer):
                 # the union's G: N_union * sum over the union's rows of (g_i / P)(g_i / P)^T,
                 # each rank's g_i being its mean loss's gradient and DDP averaging over P ranks
                 G = S_sum * _per_matrix(samples) / world / world / scale / scale
+                if self._columns is not None:  # the columns: sum over the union / its D
+                    G = S_sum / sums[2 + per_sample(layer)][0]
                 out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
         return out
+
+    def _column_sums(self, layer):
+        """(Σ g gᵀ, D) of ``layer``'s curvature columns; None for "empirical"."""
+        return None if self._columns is None else column_sums(self, layer)
+
+    def curvature_backward(self, output, targets, loss_func):
+        """Back-propagate the "mc" / "type-2" columns of ``loss_func(output, targets)``
+        (:mod:`.kfac_curvature`): after the forward, before ``loss.backward()``; does nothing
+        with "empirical" or on a step without a factor update. Returns the columns run."""
+        return curvature_backward(self, output, targets, loss_func)
 
     def _update_factors(self):
         beta = self.factor_decay

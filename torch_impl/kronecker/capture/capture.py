@@ -138,6 +138,10 @@ class Capture:
         self._router = None     # the EagerCaptureSteps on model.forward while registered
         #: layers whose forward ran in eval() mode on a capture step (not captured)
         self.eval_seen = set()
+        #: K-FAC's curvature-column sums (``baselines.kfac_curvature.ColumnSums``) or None;
+        #: ``in_columns`` while its columns are back-propagated (their rows go there)
+        self.columns = None
+        self.in_columns = False
         self.capturing = False  # should_capture() as of the last refresh (the hooks' gate)
         self._new_all_rows = []  # layers the last finish_capture_step moved to all rows
         self._refused = []  # layers whose statistics the last finish_capture_step refused
@@ -205,7 +209,13 @@ class Capture:
         if sketch is not None:
             with torch.no_grad(), torch.autocast(g_rows.device.type, enabled=False):
                 self.check.commit(layer, sketch, mask, g_rows.detach())
+        if self.in_columns:  # K-FAC's curvature columns: G's rows, the pair waits
+            self.columns.add(layer, g_stat)
+            return
+        stale = self.statistics.stale(layer)  # what add() drops, the columns drop too
         self.statistics.add(layer, a_stat, g_stat)
+        if self.columns is not None:
+            self.columns.paired(layer, stale)
 
     def record(self, layer, rows_of, tags_of, output, grad_rows):
         """One call of ``layer``: its input statistic now (an ordinary forward) or in the
@@ -413,6 +423,8 @@ class Capture:
     def reset(self):
         """Drop accumulated and pending statistics (called after every step)."""
         self.statistics.reset()
+        if self.columns is not None:
+            self.columns.reset()
         self.calls.reset()
         self.check.reset()
         if self.listener is not None:
@@ -423,6 +435,8 @@ class Capture:
         being zeroed), keeping forwards that still wait for their backward: a
         ``zero_grad()`` between a forward and its backward loses nothing."""
         self.statistics.drop_committed()
+        if self.columns is not None:
+            self.columns.drop_completed()
         self.check.reset()
 
     def stats(self, name):

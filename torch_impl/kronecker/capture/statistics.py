@@ -89,6 +89,12 @@ class LayerStatistics:
                 return self.grad_stat(layer, g_rows.detach(), mask)
             return self.grad_stat(layer, g_rows.detach(), mask, experts=experts)
 
+    def stale(self, layer):
+        """Whether ``layer``'s sums settled into a gradient that has since been cleared (the
+        next :meth:`add` drops them)."""
+        st = self._stats[layer.name]
+        return st.settled and layer.module.weight.grad is None
+
     def add(self, layer, a_stat, g_stat):
         """Add one call's ``(a, a_count)`` and ``(g, g_count)`` to ``layer``'s sums, first
         dropping sums whose gradient was cleared since they settled (module docstring)."""
