@@ -166,12 +166,15 @@ def _ce_columns(f, targets, fisher_type, mc_samples, generator):
             col.select(cdim, c).add_(sq.select(cdim, c))
             cols.append(col)
         return cols
-    # y~ ~ categorical(p) per data point, M draws; column (p - e_y~) / sqrt(M)
+    # y~ ~ categorical(p) per data point, M draws (one pass over the data points each, in
+    # their row-major order); column (p - e_y~) / sqrt(M)
     flat = p.movedim(cdim, -1).reshape(-1, p.shape[cdim])
-    draws = torch.multinomial(flat, mc_samples, replacement=True, generator=generator)
     shape = p.movedim(cdim, -1).shape[:-1]
-    return [(p - _one_hot(draws[:, m].reshape(shape), p, cdim)) / math.sqrt(mc_samples)
-            for m in range(mc_samples)]
+    cols = []
+    for _ in range(mc_samples):
+        draw = torch.multinomial(flat, 1, generator=generator).reshape(shape)
+        cols.append((p - _one_hot(draw, p, cdim)) / math.sqrt(mc_samples))
+    return cols
 
 
 def _per_sample(rows, mask):
