@@ -364,6 +364,7 @@ class KFAC(PreconditionedOptimizer):
         docstring). ``present``: None (the layer has rows), False (it has none, on one
         process), or a 0-d bool tensor (no host sync)."""
         scale = self._step_scale if self._step_scale is not None else self._configured_scale()
+        scale = scale if self._columns is None else 1.0  # the columns: the unscaled output's
         mine = {l.name: self._capture.stats(l.name) for l in self._layers}
         mine = {name: stats for name, stats in mine.items() if stats is not None}
         self._check_captured(self._layers, bool(mine))
@@ -385,9 +386,9 @@ class KFAC(PreconditionedOptimizer):
                     rows, samples = _per_matrix(rows), _per_matrix(samples)
                 # s_sum first: GradScaler's scale is a float32 0-d tensor, and a Python
                 # number divided by it would round the factor N / s^2 to float32
-                G = (s_sum * samples / scale / scale if columns is None else
-                     columns[0] / columns[1])  # the columns are of the unscaled output
-                out.append((layer, a_sum / rows, G, present))
+                if columns is not None:  # mc / type-2: G = the columns' sum / D
+                    s_sum, samples = columns[0], 1.0 / columns[1]
+                out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
             return out
         out = []
         for dst, layers, packet in self._routes:

@@ -10,6 +10,9 @@ T_KFAC = "torch_impl/baselines/kfac.py"
 T_KFAC_CONVENTIONS = "torch_impl/baselines/kfac_conventions.py"
 T_KFAC_EQUATIONS = "torch_impl/baselines/kfac_equations.py"
 T_LAMB = "torch_impl/baselines/lamb.py"
+T_FLAVOURS = "torch_impl/baselines/kfac_flavours.py"
+T_CURVATURE = "torch_impl/baselines/kfac_curvature.py"
+T_CAPTURE = "torch_impl/kronecker/capture/capture.py"
 
 _LAMB_FILTER = "                                         if p.requires_grad and not self.state.get(p)]):"
 _LAMB_LOOP = ("                                         if p.requires_grad and "
@@ -37,6 +40,75 @@ MUTANTS = {
                "    return QG @ ((QG.T @ G_hat @ QA) / (np.outer(lamG, lamA) + 2 * damping)) @ QA.T"),
         Mutant(T_KFAC_EQUATIONS, "        X = X / (lam + damping)", "        X = X / (lam + 2 * damping)"),
         Mutant(T_KFAC, "        return nu.clamp(max=1.0)", "        return nu.clamp(max=2.0)"),
+    ],
+    "KC4-PORT": [
+        # reduce's and expand's scalings swapped: a averaged per sample <-> g summed
+        Mutant(T_FLAVOURS, "    a, n = _reduce(rows, mask, layer.has_bias, mean=True)",
+               "    a, n = _reduce(rows, mask, layer.has_bias, mean=False)",
+               also=((T_FLAVOURS, "    g, n = _reduce(rows, mask, False, mean=False)",
+                      "    g, n = _reduce(rows, mask, False, mean=True)"),)),
+        # MC drawing the targets (the empirical Fisher) instead of the model's prediction
+        Mutant(T_FLAVOURS, "        cols.append((p - _one_hot(draw, p, cdim)) / math.sqrt(mc_samples))",
+               "        cols.append((p - _one_hot(targets, p, cdim)) / math.sqrt(mc_samples))"),
+        Mutant(T_FLAVOURS, "    return [-scale * torch.randn(f.shape, generator=generator, dtype=f.dtype, device=f.device)",
+               "    return [-scale / 2 * (f - targets.to(f.dtype))"),
+        # a dropped bias column: reduce's (kfac_flavours) and expand's (the K19 statistic)
+        Mutant(T_FLAVOURS, "    if has_bias:\n        total = torch.cat", "    if False:\n        total = torch.cat"),
+        Mutant(T_KFAC_EQUATIONS, "    if layer.has_bias:\n        ones = ", "    if False:\n        ones = "),
+        # the wrong R for a mean: MSE's divided by the data points only, CE's not at all
+        Mutant(T_FLAVOURS, "        return 1.0 if loss_func.reduction == \"sum\" else 1.0 / output.numel()",
+               "        return 1.0 if loss_func.reduction == \"sum\" else 1.0 / output.shape[0]"),
+        Mutant(T_FLAVOURS, "    return 1.0 / keep.sum().to(torch.promote_types(output.dtype, torch.float32))",
+               "    return 1.0"),
+        # the transposed square root (S^T S = H, not S S^T)
+        Mutant(T_FLAVOURS, "            col = -p * sq.narrow(cdim, c, 1)", "            col = -sq * p.narrow(cdim, c, 1)"),
+        # MSE's Hessian taken as I instead of 2 I
+        Mutant(T_FLAVOURS, "            col[..., c] = math.sqrt(2.0)", "            col[..., c] = 1.0"),
+        # ignored positions kept as data points
+        Mutant(T_FLAVOURS, "        cols = [c * keep for c in _ce_columns(", "        cols = [c for c in _ce_columns("),
+        # a shared layer's calls reduced per call, not per sample over all calls
+        Mutant(T_FLAVOURS, "            a = torch.cat([_per_sample(r[0].detach(), None)[0] for r in rows], dim=1)",
+               "            a = torch.cat([_per_sample(r[0].detach(), None)[0] for r in rows], dim=0)"),
+    ],
+    "KFAC-FLAVOURS": [
+        # the columns' rows also added to the layer's training pair (A counted C + 1 times)
+        Mutant(T_CAPTURE, "            self.columns.add(layer, g_stat)\n            return\n",
+               "            self.columns.add(layer, g_stat)\n"),
+        # G from the training backward's rows although the columns were run
+        Mutant(T_KFAC, "                    s_sum, samples = columns[0], 1.0 / columns[1]",
+               "                    pass"),
+        # D of a mean: 1 per call instead of the counted positions
+        Mutant(T_CURVATURE, "    den = (1.0 / R if loss_func.reduction == \"mean\" else 1.0)", "    den = 1.0"),
+        # the self-check skipping the columns (their weight gradients then see no rows)
+        Mutant(T_CAPTURE, "        if sketch is not None:\n            with torch.no_grad(), torch.autocast(g_rows",
+               "        if sketch is not None and not self.in_columns:\n            with torch.no_grad(), torch.autocast(g_rows"),
+        # the missing curvature_backward not noticed: the step falls back on nothing
+        Mutant(T_CURVATURE, "    found = kfac._columns.get(layer.name)\n    if found is None:",
+               "    found = kfac._columns.get(layer.name) or (torch.zeros(()), 1.0)\n    if found is None:"),
+        # off-step calls not a no-op: columns run on a step without a factor update
+        Mutant(T_CURVATURE, "    if kfac.fisher_type == \"empirical\" or kfac._detached or not kfac.factor_update_due() \\",
+               "    if kfac.fisher_type == \"empirical\" or kfac._detached \\"),
+        # zero_grad dropping the pending columns too
+        Mutant(T_CURVATURE, "        self.done = {}", "        self.done, self.pending = {}, {}"),
+        # across ranks: the union's G divided by the ranks instead of the union's D
+        Mutant(T_KFAC, "                    G = S_sum / sums[2 + per_sample(layer)][0]",
+               "                    G = S_sum / world"),
+        # reduce's statistics not wired in the optimizer
+        Mutant(T_KFAC, "                                reduce_input_stat if reduce else input_stat,",
+               "                                input_stat,"),
+        # the refusals
+        Mutant(T_CURVATURE, "        if getattr(module, \"batch_first\", True) is False:",
+               "        if getattr(module, \"batch_first\", True) is None:"),
+        Mutant(T_CURVATURE, "    if fisher_type != \"empirical\" and grad_hook != \"tensor\":",
+               "    if False:"),
+    ],
+    "KFAC-CURVLINOPS": [
+        # the MC draws in another order (the same distribution: only the peer's exact draws
+        # see it)
+        Mutant(T_FLAVOURS, "        draw = torch.multinomial(flat, 1, generator=generator).reshape(shape)",
+               "        draw = torch.multinomial(flat.flip(0), 1, generator=generator).flip(0).reshape(shape)"),
+        # A of expand averaged over samples instead of rows (Conv2d's L patches, tokens)
+        Mutant(T_FLAVOURS, "            return total / n\n", "            return total / rows[0][0].shape[0]\n"),
     ],
     "PORT-LAMB-SURFACE": [
         Mutant(T_LAMB, "    return torch.view_as_real(t) if torch.is_complex(t) else t", "    return t"),
