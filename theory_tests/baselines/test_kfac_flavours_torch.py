@@ -173,6 +173,56 @@ def test_mixed_net_reduce_is_exact_everywhere_expand_only_after_the_reduction():
         assert (_rel(torch.kron(Ge, Ae), T) < TOL) == name.startswith("after")
 
 
+class _TwoCalls(nn.Module):
+    """One Linear called twice per forward (two halves of each sample's input), its outputs
+    added, then a head: a weight shared over calls, in the reduce setting."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.shared(x[:, :3]) + self.shared(x[:, 3:]))
+
+
+def test_reduce_over_a_layers_calls_is_the_ggn():
+    """A layer called twice per forward: reduce averages each sample's rows of both calls
+    (and sums their gradients), which is the GGN of the deep linear net; expand is not."""
+    model = _TwoCalls().double()
+    x, y = torch.randn(6, 6, dtype=f64), torch.randn(6, 2, dtype=f64)
+    lf = nn.MSELoss()
+    A, G = kfac_factors(model, lf, x, y, kfac_approx="reduce")["shared"]
+    T = _exact(model, lf, x, y, "shared", "ggn")
+    Ae, Ge = kfac_factors(model, lf, x, y, kfac_approx="expand")["shared"]
+    assert _rel(torch.kron(G, A), T) < TOL and _rel(torch.kron(Ge, Ae), T) > 0.1
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_a_mean_is_the_sum_over_the_counted_positions(loss):
+    """R of a mean: G(mean) = G(sum) / (positions counted): CE's targets that are not
+    ignore_index (per token), MSE's every output entry (N S C)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double()
+    x = torch.randn(2, 4, 3, dtype=f64)
+    if loss == "ce":
+        y = torch.randint(0, 5, (2, 4)).masked_fill(torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0]])
+                                                    .bool(), -100)
+        model = nn.Sequential(model, _ClassAxis())
+        mean, total, count = nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum"), 6
+    else:
+        y = torch.randn(2, 4, 5, dtype=f64)
+        mean, total, count = nn.MSELoss(), nn.MSELoss(reduction="sum"), 40
+    for fisher in ("type-2", "empirical"):
+        Gm = kfac_factors(model, mean, x, y, fisher_type=fisher)
+        Gs = kfac_factors(model, total, x, y, fisher_type=fisher)
+        for name in Gm:
+            assert _rel(Gm[name][1] * count, Gs[name][1]) < TOL
+
+
+class _ClassAxis(nn.Module):
+    def forward(self, h):  # (N, S, C) -> (N, C, S): CrossEntropyLoss's class axis
+        return h.transpose(1, 2)
+
+
 def test_both_flattenings_and_bias_joint_or_separate():
     """Row-major W (ours): kron(G, A); column-major vec(W): kron(A, G); the bias alone: G
     (times A's corner 1), the weight alone: kron(G, A without its bias row/column)."""

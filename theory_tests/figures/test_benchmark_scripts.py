@@ -117,3 +117,13 @@ def test_self_check_cost_benchmark_times_every_contender():
     assert {c for _, c in times} == {"SGD", "MKOR self_check=None", "MKOR default"}
     assert {m for m, _ in times} == {"bert", "llama", "mixtral"}
     assert all(len(ts) == 1 and ts[0] > 0 for ts in times.values())
+
+
+def test_kfac_flavours_benchmark_times_every_flavour(capsys):
+    """The MC / type-2 K-FAC step over the empirical one, measured in the same run."""
+    from figures.bench import kfac_flavours as bench_kfac_flavours
+    ratios = bench_kfac_flavours.main(["--repeats", "1", "--steps", "1", "--vocab", "8",
+                                       "--hidden", "8", "--layers", "1", "--batch", "2",
+                                       "--seq", "4"])
+    assert set(ratios) == set(bench_kfac_flavours.CONTENDERS) and ratios["empirical"] == 1.0
+    assert "| type-2 |" in capsys.readouterr().out

@@ -81,8 +81,8 @@ class ColumnSums:
 def curvature_backward(kfac, output, targets, loss_func):
     """The columns of ``kfac.fisher_type`` back-propagated from ``output`` (module docstring).
     Returns the number of columns run (0 when there is nothing to do)."""
-    if kfac.fisher_type == "empirical" or kfac._detached or not kfac.factor_update_due() \
-            or not kfac._capture.capturing:
+    # capturing: the hooks' gate, open exactly on the steps that update the factors
+    if kfac.fisher_type == "empirical" or kfac._detached or not kfac._capture.capturing:
         return 0
     if not isinstance(output, torch.Tensor) or not output.requires_grad:
         raise ValueError("curvature_backward: output must be the tensor loss_func takes, "

@@ -42,11 +42,18 @@ MUTANTS = {
         Mutant(T_KFAC, "        return nu.clamp(max=1.0)", "        return nu.clamp(max=2.0)"),
     ],
     "KC4-PORT": [
-        # reduce's and expand's scalings swapped: a averaged per sample <-> g summed
+        # reduce's and expand's scalings swapped: reduce's A divided by the rows (expand's
+        # N S) instead of its N samples, and expand's by the samples instead of the rows
+        Mutant(T_FLAVOURS, "    kept = (count > 0).sum() if mask is not None else r.shape[0]\n",
+               "    kept = (count > 0).sum() if mask is not None else r.shape[0] * r.shape[1]\n"),
+        Mutant(T_FLAVOURS, "            return total / n\n", "            return total / rows[0][0].shape[0]\n"),
+        # the split of the scalars between A and G (a summed and g averaged per sample): the
+        # product is the same whenever every sample has S rows
         Mutant(T_FLAVOURS, "    a, n = _reduce(rows, mask, layer.has_bias, mean=True)",
                "    a, n = _reduce(rows, mask, layer.has_bias, mean=False)",
                also=((T_FLAVOURS, "    g, n = _reduce(rows, mask, False, mean=False)",
-                      "    g, n = _reduce(rows, mask, False, mean=True)"),)),
+                      "    g, n = _reduce(rows, mask, False, mean=True)"),),
+               equivalent="only kron(G, A) is defined (KC5): S^2 moves from G to A"),
         # MC drawing the targets (the empirical Fisher) instead of the model's prediction
         Mutant(T_FLAVOURS, "        cols.append((p - _one_hot(draw, p, cdim)) / math.sqrt(mc_samples))",
                "        cols.append((p - _one_hot(targets, p, cdim)) / math.sqrt(mc_samples))"),
@@ -86,8 +93,7 @@ MUTANTS = {
         Mutant(T_CURVATURE, "    found = kfac._columns.get(layer.name)\n    if found is None:",
                "    found = kfac._columns.get(layer.name) or (torch.zeros(()), 1.0)\n    if found is None:"),
         # off-step calls not a no-op: columns run on a step without a factor update
-        Mutant(T_CURVATURE, "    if kfac.fisher_type == \"empirical\" or kfac._detached or not kfac.factor_update_due() \\",
-               "    if kfac.fisher_type == \"empirical\" or kfac._detached \\"),
+        Mutant(T_CURVATURE, " or kfac._detached or not kfac._capture.capturing:", " or kfac._detached:"),
         # zero_grad dropping the pending columns too
         Mutant(T_CURVATURE, "        self.done = {}", "        self.done, self.pending = {}, {}"),
         # across ranks: the union's G divided by the ranks instead of the union's D
@@ -107,8 +113,6 @@ MUTANTS = {
         # see it)
         Mutant(T_FLAVOURS, "        draw = torch.multinomial(flat, 1, generator=generator).reshape(shape)",
                "        draw = torch.multinomial(flat.flip(0), 1, generator=generator).flip(0).reshape(shape)"),
-        # A of expand averaged over samples instead of rows (Conv2d's L patches, tokens)
-        Mutant(T_FLAVOURS, "            return total / n\n", "            return total / rows[0][0].shape[0]\n"),
     ],
     "PORT-LAMB-SURFACE": [
         Mutant(T_LAMB, "    return torch.view_as_real(t) if torch.is_complex(t) else t", "    return t"),
