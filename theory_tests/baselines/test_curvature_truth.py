@@ -18,6 +18,7 @@ from torch.func import functional_call
 from reference.baselines import kfac_flavours as oracle
 from theory_tests.support import curvature as cv
 from theory_tests.support import curvature_nets as nets
+from theory_tests.support.curvature_capture import oracle_factors
 
 TIGHT = 1e-13  # float64 rounding of these tiny sums is ~1e-16; the anchors use 1e-5
 
@@ -207,8 +208,8 @@ def test_best_kronecker_recovers_an_exact_kronecker_product():
 
 
 def test_best_kronecker_is_no_farther_than_any_other_kronecker_product():
-    """On a transformer block's GGN blocks: closer than K-FAC-like products, random ones and
-    perturbations of the optimum itself."""
+    """On a transformer block's GGN blocks: closer than K-FAC's type-2 products (expand and
+    reduce), random ones and perturbations of the optimum itself."""
     net = nets.transformer_block("ce")
     loss_func = nets.make_loss("ce", "mean")
     targets = _targets(net, "ce")
@@ -222,6 +223,10 @@ def test_best_kronecker_is_no_farther_than_any_other_kronecker_product():
         assert rel_err(np.kron(Gn, An), torch.kron(G, A)) < 1e-12
         others = [torch.kron(_random_psd(d_out, gen), _random_psd(d_in + 1, gen)) / 50
                   for _ in range(5)]
+        for approx in ("expand", "reduce"):  # K-FAC's own, type-2
+            A_k, G_k = oracle_factors(net.model, loss_func, net.inputs, targets, layer,
+                                      approx=approx)
+            others.append(torch.from_numpy(np.kron(G_k, A_k)))
         for eps in (1e-3, 1e-1):
             others += [torch.kron(G + eps * _random_psd(d_out, gen), A),
                        torch.kron(G, A - eps * _random_psd(d_in + 1, gen))]
@@ -253,6 +258,14 @@ def test_ignored_targets_wrong_parts_and_foreign_layers_are_refused():
         cv.ggn_block(net.model, loss_func, net.inputs, targets, net.layers[0], part="both")
     with pytest.raises(ValueError, match="not a module of model"):
         cv.ggn_block(net.model, loss_func, net.inputs, targets, nn.Linear(3, 4))
+    experts = nets.fused_experts("mse")
+    expert_targets = _targets(experts, "mse")
+    for layer, expert, message in ((experts.layers[0], None, "needs one"),
+                                   (experts.layers[0], 3, "not one of"),
+                                   (experts.layers[1], 0, "fused-expert")):
+        with pytest.raises(ValueError, match=message):
+            cv.ggn_block(experts.model, nn.MSELoss(), experts.inputs, expert_targets, layer,
+                         expert=expert)
     no_bias = nets.deep_linear("mse", bias=False)
     with pytest.raises(ValueError, match="no bias"):
         cv.ggn_block(no_bias.model, nn.MSELoss(), no_bias.inputs,

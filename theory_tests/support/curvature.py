@@ -197,6 +197,13 @@ def layer_jacobian(model, loss_func, inputs, layer, *, part="joint", expert=None
         raise ValueError("part='bias' but the layer has no bias")
     weight = layer.weight.detach()
     bias = layer.bias.detach() if has_bias else None
+    fused = weight.dim() == 3 and not isinstance(layer, nn.Conv1d)
+    if fused != (expert is not None):
+        raise ValueError("expert= is for a fused-expert layer (weight (E, d_out, d_in)) and it "
+                         f"needs one; got expert={expert!r} for a weight of shape "
+                         f"{tuple(weight.shape)}")
+    if fused and not 0 <= expert < weight.shape[0]:
+        raise ValueError(f"expert={expert} is not one of the layer's {weight.shape[0]} experts")
 
     def out(w, b):
         params = {prefix + "weight": w}
