@@ -5,18 +5,26 @@ flavour is exact (the "KFAC from scratch" cases): type-2 expand = GGN on deep li
 size 1 with nonlinearities (MSE and CE), reduce = GGN in the reduce setting where expand is
 not, both flattenings, bias joint and separate, per expert of a fused stack at one token;
 MC converges to the Fisher at the rate 1/sqrt(M). The brute force (explicit Jacobians and the
-loss Hessian from autograd, no Kronecker code) is ``_exact`` below. Relative errors are to the
-block's largest entry.
+loss Hessian from autograd, no Kronecker code) is ``_exact`` below. The brute force is helper A's
+``theory_tests/support/curvature.py`` (explicit Jacobians and the loss Hessian, no Kronecker
+code); relative errors are to the block's largest entry. And the port equals the numpy oracle
+``reference/baselines/kfac_flavours.py`` (fed by plain hooks, ``curvature_capture.py``) to
+1e-12 on every test network of ``curvature_nets.py``, every flavour.
 
 The optimizer's flavours (``KFAC(fisher_type=, kfac_approx=)`` with ``curvature_backward``)
 are in ``test_kfac_flavours_optimizer.py``.
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
+from reference.baselines import kfac_flavours as oracle
+from theory_tests.support import curvature
+from theory_tests.support import curvature_nets as nets
+from theory_tests.support.curvature_capture import capture, oracle_factors
 from torch_impl import kfac_factors
 from torch_impl.baselines import kfac_flavours as kf
 
@@ -28,55 +36,12 @@ def _rel(K, T):
     return ((K - T).abs().max() / T.abs().max()).item()
 
 
-def _jacobian(model, inputs, names):
-    """(output, J): J (numel(output), P) of the output w.r.t. [W | b] of the modules ``names``
-    flattened row-major, concatenated (a bias as W's last column): one autograd row per
-    output entry (the outputs here are small)."""
-    mods = dict(model.named_modules())
-    params = []
-    for n in names:
-        params += [mods[n].weight] + ([mods[n].bias] if mods[n].bias is not None else [])
-    out = model(inputs).reshape(-1)
-    rows = []
-    for i in range(out.numel()):
-        grads = iter(torch.autograd.grad(out[i], params, retain_graph=True, allow_unused=True))
-        row = []
-        for n in names:
-            gw = next(grads)
-            gw = torch.zeros_like(mods[n].weight) if gw is None else gw
-            gw = gw.reshape(gw.shape[0], -1)
-            if mods[n].bias is not None:
-                gb = next(grads)
-                gw = torch.cat([gw, (torch.zeros(gw.shape[0], dtype=gw.dtype) if gb is None
-                                     else gb)[:, None]], dim=1)
-            row.append(gw.reshape(-1))
-        rows.append(torch.cat(row))
-    return model(inputs).detach(), torch.stack(rows)
-
-
-def _per_point_losses(loss_func, out, targets):
-    """ℓ_n of every data point (unreduced, summed over an MSE's outputs) and R."""
-    if isinstance(loss_func, nn.MSELoss):
-        l = ((out - targets) ** 2).sum(-1).reshape(-1)
-        return l, (1.0 if loss_func.reduction == "sum" else 1.0 / out.numel())
-    l = nn.functional.cross_entropy(out, targets, reduction="none").reshape(-1)
-    return l, (1.0 if loss_func.reduction == "sum" else 1.0 / l.numel())
-
-
 def _exact(model, loss_func, inputs, targets, name, kind):
-    """The KC1 block of layer ``name``: "ggn" = J^T (Hessian of the loss in the output) J,
-    "ef" = R sum_n grad l_n grad l_n^T (per-point gradients from the Jacobian)."""
-    out, J = _jacobian(model, inputs, [name])
-    if kind == "ggn":
-        H = torch.autograd.functional.hessian(
-            lambda z: loss_func(z.reshape(out.shape), targets), out.reshape(-1))
-        return J.T @ H @ J
-    z = out.reshape(-1).clone().requires_grad_(True)
-    l, R = _per_point_losses(loss_func, z.reshape(out.shape), targets)
-    rows = torch.stack([torch.autograd.grad(l[n], z, retain_graph=True)[0]
-                        for n in range(l.numel())])  # d l_n / d output
-    grads = rows @ J
-    return R * grads.T @ grads
+    """The KC1 block of layer ``name`` by brute force (``theory_tests/support/curvature.py``:
+    explicit Jacobians, no Kronecker code): "ggn" or "ef"."""
+    layer = dict(model.named_modules())[name]
+    block = curvature.ggn_block if kind == "ggn" else curvature.ef_block
+    return block(model, loss_func, inputs, targets, layer)
 
 
 def _deep_linear(L, bias=True, d=(3, 4, 5, 2)):
@@ -358,9 +323,6 @@ def test_ignore_index_positions_are_no_data_points():
     kept = kfac_factors(model, lf, x[[0, 2, 4]], y[[0, 2, 4]])
     for name, (A, G) in kept.items():
         assert _rel(ignored[name][1], G) < TOL  # A keeps every row: the forward saw them
-    T = _exact(model, lf, x, y.masked_fill(torch.tensor([0, 1, 0, 1, 0]).bool(), -100),
-               "1", "ggn")
-    assert T.abs().max() > 0
 
 
 def test_type2_columns_are_a_square_root_of_the_loss_hessian():
@@ -368,7 +330,7 @@ def test_type2_columns_are_a_square_root_of_the_loss_hessian():
     MSE (2 I), per data point, with the class axis of a (N, C, d) output."""
     out = torch.randn(2, 4, 3, dtype=f64)
     y = torch.randint(0, 4, (2, 3))
-    cols = kf.loss_columns(nn.CrossEntropyLoss(), out, y, "type-2")
+    cols = kf.kfac_columns(nn.CrossEntropyLoss(), out, y, "type-2")
     S = torch.stack(cols, dim=-1)  # (N, C, d, C)
     p = out.softmax(1)
     for n in range(2):
@@ -376,7 +338,7 @@ def test_type2_columns_are_a_square_root_of_the_loss_hessian():
             s, q = S[n, :, t, :], p[n, :, t]
             assert torch.allclose(s @ s.T, torch.diag(q) - torch.outer(q, q), atol=1e-15)
     out = torch.randn(3, 4, dtype=f64)
-    S = torch.stack(kf.loss_columns(nn.MSELoss(), out, out, "type-2"), dim=-1)
+    S = torch.stack(kf.kfac_columns(nn.MSELoss(), out, out, "type-2"), dim=-1)
     assert torch.allclose(S[1] @ S[1].T, 2 * torch.eye(4, dtype=f64), rtol=0, atol=1e-15)
 
 
@@ -385,17 +347,82 @@ def test_mc_samples_the_models_distribution_not_the_targets():
     mean outer product is the Hessian, not the empirical (p - e_y)(p - e_y)^T."""
     out = torch.randn(1, 3, dtype=f64)
     lf = nn.CrossEntropyLoss()
-    a = kf.loss_columns(lf, out, torch.tensor([0]), "mc", 1500, torch.Generator().manual_seed(1))
-    b = kf.loss_columns(lf, out, torch.tensor([2]), "mc", 1500, torch.Generator().manual_seed(1))
+    a = kf.kfac_columns(lf, out, torch.tensor([0]), "mc", 1500, torch.Generator().manual_seed(1))
+    b = kf.kfac_columns(lf, out, torch.tensor([2]), "mc", 1500, torch.Generator().manual_seed(1))
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     C = torch.stack(a)[:, 0]
     p = out.softmax(1)[0]
     H = torch.diag(p) - torch.outer(p, p)
     print("mc columns:", (C.T @ C - H).abs().max().item())
     assert (C.T @ C - H).abs().max() < 0.05
-    mse = kf.loss_columns(nn.MSELoss(), out, out + 10, "mc", 1500,
+    mse = kf.kfac_columns(nn.MSELoss(), out, out + 10, "mc", 1500,
                           torch.Generator().manual_seed(1))
     M = torch.stack(mse)[:, 0]
     print("mc columns mse:", (M.T @ M - 2 * torch.eye(3, dtype=f64)).abs().max().item())
     assert (M.T @ M - 2 * torch.eye(3, dtype=f64)).abs().max() < 0.25
     assert math.isclose(M.mean().item(), 0.0, abs_tol=0.1)
+
+
+# -- the port against the numpy oracle -------------------------------------------------------
+ORACLE_NETS = {
+    "deep linear, per token (MSE)": (lambda: nets.deep_linear("mse", N=3, S=4), "mse"),
+    "deep linear, per token (CE)": (lambda: nets.deep_linear("ce", N=3, S=4), "ce"),
+    "MLP, N = 3 (CE)": (lambda: nets.mlp("tanh", "ce", N=3), "ce"),
+    "shared, mean-reduced": (lambda: nets.shared_reduce("mean"), "mse"),
+    "mixed, sum-reduced (CE)": (lambda: nets.mixed("sum", "ce"), "ce"),
+    "conv net": (lambda: nets.conv_net(), "mse"),
+    "transformer block (CE)": (lambda: nets.transformer_block(), "ce"),
+}
+
+
+def _points(loss_func, column):
+    return curvature.output_points(loss_func, column).numpy()
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("net_name", sorted(ORACLE_NETS))
+def test_the_port_is_the_oracle(net_name, reduction, approx, fisher):
+    """Every layer of every test network: the port's (A, G) = the oracle's to 1e-12. MC: the
+    oracle's statistics of the port's own draws (the same seed), backpropagated by plain
+    autograd (the draws' distribution is tested above and in the oracle's tests)."""
+    build, kind = ORACLE_NETS[net_name]
+    net = build()
+    lf = nets.make_loss(kind, reduction)
+    y = nets.make_targets(kind, net.model(net.inputs))
+    ours = kfac_factors(net.model, lf, net.inputs, y, fisher_type=fisher, kfac_approx=approx,
+                        mc_samples=3 if fisher == "mc" else 1,
+                        generator=torch.Generator().manual_seed(7) if fisher == "mc" else None)
+    names = {m: n for n, m in net.model.named_modules()}
+    for layer in net.layers:
+        if fisher == "mc":
+            cap = capture(net.model, lf, net.inputs, y, layer)
+            cols = kf.kfac_columns(lf, cap.output, y, "mc", 3, torch.Generator().manual_seed(7))
+            a, g = cap.rows(cap.backprop(np.stack([_points(lf, c) for c in cols])))
+            factors = oracle.expand_factors if approx == "expand" else oracle.reduce_factors
+            A, G = factors(a, g, cap.R, layer.bias is not None)
+        else:
+            A, G = oracle_factors(net.model, lf, net.inputs, y, layer, fisher, approx)
+        oA, oG = ours[names[layer]]
+        err = max(_rel(oA, torch.from_numpy(A)), _rel(oG, torch.from_numpy(G)))
+        assert err < TOL, (names[layer], err)
+
+
+def test_the_port_columns_are_the_oracles():
+    """type-2 and empirical columns of CE (classes at dim 1, per token) and MSE, as (P, C)
+    data points: the oracle's kfac_columns to 1e-15."""
+    out = torch.randn(2, 4, 3, dtype=f64)
+    y = torch.randint(0, 4, (2, 3))
+    lf = nn.CrossEntropyLoss()
+    for fisher in ("type-2", "empirical"):
+        ours = np.stack([_points(lf, c) for c in kf.kfac_columns(lf, out, y, fisher)])
+        theirs = oracle.kfac_columns("ce", fisher, _points(lf, out),
+                                     curvature.target_points(lf, y, out).numpy())
+        assert np.abs(ours - theirs).max() < 1e-15
+    lf, out = nn.MSELoss(), torch.randn(5, 3, dtype=f64)
+    y = torch.randn(5, 3, dtype=f64)
+    for fisher in ("type-2", "empirical"):
+        ours = np.stack([c.numpy() for c in kf.kfac_columns(lf, out, y, fisher)])
+        assert np.abs(ours - oracle.kfac_columns("mse", fisher, out.numpy(),
+                                                  y.numpy())).max() < 1e-15

@@ -28,11 +28,17 @@ ORACLE_ONLY_MODULES = {
     # MKOR's per-expert equations: the port runs its 2-D functions (vectors, factors,
     # layer_state) batched over the expert axis
     "mkor.experts",
-    # K-FAC's flavours (issue 46): oracle-only until the port's twin
-    # torch_impl/baselines/kfac_flavours.py lands (helper D); remove this line then
-    "baselines.kfac_flavours",
 }
 ORACLE_ONLY = {
+    # K-FAC's flavours (issue 46): the port writes the columns' pieces inside kfac_columns
+    # (softmax, the square roots, the gradient, the draws), its expand statistics are K-FAC's
+    # own (kfac_equations' input_stat / grad_stat, per expert batched) and its reduce ones the
+    # additive reduce_input_stat / reduce_grad_stat; MKOR's rank-1 statistics are MKOR's port,
+    # and the Van Loan rearrangement is analysis, not an optimizer
+    "baselines.kfac_flavours": {"softmax", "ce_hessian_sqrt", "mse_hessian_sqrt",
+                                "hessian_sqrt", "loss_output_gradient", "sample_targets",
+                                "expand_factors", "reduce_factors", "expert_expand_factors",
+                                "mkor_rank1_factors", "kronecker_rearrange", "best_kronecker"},
     # fused for memory on the torch side: adamw_step_ / lion_step_ compute direction and decay
     # in place (one temporary)
     "mars.mars_equations": {"adamw_direction", "decoupled_step", "lion_direction"},
@@ -53,6 +59,10 @@ ORACLE_ONLY = {
     "common.matrix_functions": {"quintic", "optimal_quintic", "polar_express_coefficients"},
 }
 TORCH_ONLY = {
+    # the options' validation, the capture's additive reduce statistics (summed over calls and
+    # ranks before dividing) and the stateless function over a model
+    "baselines.kfac_flavours": {"check_flavour", "check_loss", "reduce_input_stat",
+                                "reduce_grad_stat", "kfac_factors"},
     # per-route compositions (the oracle writes them inline in its class), the resolver, bias
     # corrections for lists, and the global-norm helper
     "mars.mars_equations": {"adamw_rule", "lion_rule", "resolve_hyperparameters",

@@ -25,7 +25,7 @@ loss divided by k, the empirical G's convention; DDP averages the ranks' gradien
 """
 import torch
 
-from .kfac_flavours import check_flavour, loss_columns, loss_reduction
+from .kfac_flavours import check_flavour, kfac_columns, reduction_factor
 
 __all__ = ["ColumnSums", "check_flavour_options", "column_sums", "curvature_backward"]
 
@@ -88,14 +88,14 @@ def curvature_backward(kfac, output, targets, loss_func):
         raise ValueError("curvature_backward: output must be the tensor loss_func takes, "
                          "computed with grad by the forward of this step")
     sums = kfac._columns
-    R = loss_reduction(loss_func, output, targets)
+    R = reduction_factor(loss_func, output, targets)
     if sums.reduction not in (None, loss_func.reduction):
         raise ValueError(f"curvature_backward: loss_func.reduction {loss_func.reduction!r} "
                          f"differs from {sums.reduction!r} earlier in this step")
     sums.reduction = loss_func.reduction
     # D of this call: the counted positions (1/R) for a mean, 1 for a sum
     den = (1.0 / R if loss_func.reduction == "mean" else 1.0)
-    columns = loss_columns(loss_func, output, targets, kfac.fisher_type, kfac.mc_samples,
+    columns = kfac_columns(loss_func, output, targets, kfac.fisher_type, kfac.mc_samples,
                            kfac.generator)
     weights = list({id(l.module.weight): l.module.weight for l in kfac._layers
                     if l.module.weight.requires_grad}.values())

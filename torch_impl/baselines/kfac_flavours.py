@@ -38,8 +38,8 @@ from ..common.validation import check_choice, check_int
 from ..kronecker.discovery import discover, unwrap_model
 from .kfac_equations import grad_stat, input_stat
 
-__all__ = ["FISHER_TYPES", "KFAC_APPROXES", "check_flavour", "check_loss", "loss_reduction",
-           "loss_columns", "reduce_input_stat", "reduce_grad_stat", "kfac_factors"]
+__all__ = ["FISHER_TYPES", "KFAC_APPROXES", "check_flavour", "check_loss", "reduction_factor",
+           "kfac_columns", "reduce_input_stat", "reduce_grad_stat", "kfac_factors"]
 
 FISHER_TYPES = ("empirical", "mc", "type-2")
 KFAC_APPROXES = ("expand", "reduce")
@@ -94,7 +94,7 @@ def _ce_keep(loss_func, output, targets):
     return targets != loss_func.ignore_index
 
 
-def loss_reduction(loss_func, output, targets):
+def reduction_factor(loss_func, output, targets):
     """R of ``loss_func(output, targets)`` = R Σ_n ℓ_n: 1 for "sum"; for "mean" 1/numel for
     MSE and 1/(positions whose target is not ignore_index) for CE (a 0-d tensor: no host
     sync)."""
@@ -118,7 +118,7 @@ def _one_hot(index, like, cdim):
     return out.scatter_(cdim, index.clamp(0, like.shape[cdim] - 1).unsqueeze(cdim), 1.0)
 
 
-def loss_columns(loss_func, output, targets, fisher_type, mc_samples=1, generator=None):
+def kfac_columns(loss_func, output, targets, fisher_type, mc_samples=1, generator=None):
     """The columns (KC2/KC3, module docstring) of every data point at once: a list of tensors
     shaped like ``output`` (column k of every data point in the k-th), R not applied,
     zero at positions a cross-entropy ignores. Computed in float32 or wider from
@@ -126,7 +126,7 @@ def loss_columns(loss_func, output, targets, fisher_type, mc_samples=1, generato
     kind = check_loss(loss_func)
     check_choice("fisher_type", fisher_type, FISHER_TYPES)
     check_int("mc_samples", mc_samples, low=1)
-    loss_reduction(loss_func, output, targets)  # shape checks
+    reduction_factor(loss_func, output, targets)  # shape checks
     f = output.detach().to(torch.promote_types(output.dtype, torch.float32))
     if kind == "mse":
         cols = _mse_columns(f, targets, fisher_type, mc_samples, generator)
@@ -316,8 +316,8 @@ def kfac_factors(model, loss_func, inputs, targets, *, fisher_type="type-2",
     if missing:
         raise ValueError(f"kfac_factors: the layers {missing} were not called with grad by "
                          "model(inputs)")
-    R = loss_reduction(loss_func, output, targets)
-    columns = loss_columns(loss_func, output, targets, fisher_type, mc_samples, generator)
+    R = reduction_factor(loss_func, output, targets)
+    columns = kfac_columns(loss_func, output, targets, fisher_type, mc_samples, generator)
     outs = [(l, i, call) for l in layers for i, call in enumerate(calls.calls[l.name])]
     A = {l.name: _input_factor(l, calls.calls[l.name], kfac_approx) for l in layers}
     G = {l.name: None for l in layers}

@@ -13,6 +13,7 @@ T_LAMB = "torch_impl/baselines/lamb.py"
 T_FLAVOURS = "torch_impl/baselines/kfac_flavours.py"
 T_CURVATURE = "torch_impl/baselines/kfac_curvature.py"
 T_CAPTURE = "torch_impl/kronecker/capture/capture.py"
+R_FLAVOURS = "reference/baselines/kfac_flavours.py"
 
 _LAMB_FILTER = "                                         if p.requires_grad and not self.state.get(p)]):"
 _LAMB_LOOP = ("                                         if p.requires_grad and "
@@ -67,6 +68,9 @@ MUTANTS = {
                "        return 1.0 if loss_func.reduction == \"sum\" else 1.0 / output.shape[0]"),
         Mutant(T_FLAVOURS, "    return 1.0 / keep.sum().to(torch.promote_types(output.dtype, torch.float32))",
                "    return 1.0"),
+        # the oracle's reduce A divided by the rows, not the samples (the port test sees it)
+        Mutant(R_FLAVOURS, "    return a_bar.T @ a_bar / a.shape[0], R * g_hat.T @ g_hat",
+               "    return a_bar.T @ a_bar / (a.shape[0] * a.shape[1]), R * g_hat.T @ g_hat"),
         # the transposed square root (S^T S = H, not S S^T)
         Mutant(T_FLAVOURS, "            col = -p * sq.narrow(cdim, c, 1)", "            col = -sq * p.narrow(cdim, c, 1)"),
         # MSE's Hessian taken as I instead of 2 I
