@@ -333,3 +333,23 @@ def test_two_gloo_ranks_hold_the_single_process_factors_of_the_union():
     for factors in run(_ddp_rank, 2):
         for name, (A, G) in ref.items():
             assert _rel(factors[name][0], A) < TOL and _rel(factors[name][1], G) < TOL
+
+
+def _fsdp2_rank(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = fully_shard(TokenNet().double())
+    _, kfac = _kfac(model, fisher_type="type-2")
+    x, y = _data(True, N=2)
+    try:
+        kfac.curvature_backward(model(x), y, nn.CrossEntropyLoss())
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_fsdp2_is_refused_by_name():
+    """Under FSDP2 the columns' extra backward passes would run its gradient hooks: refused,
+    naming the fully_shard modules, on every rank."""
+    for message in run(_fsdp2_rank, 2):
+        assert message is not None and "FSDP2 (fully_shard) modules ['<model>']" in message

@@ -21,7 +21,11 @@ as for a backward) is compared with Σ g aᵀ over them, exactly as for the trai
 the calls (micro-batches, ranks) whose columns reached the layer: D = the counted positions
 of the loss for reduction "mean" (the union of the micro-batches and ranks taken as one
 batch, as the empirical G's row counts do), and 1 per call for "sum" (k micro-batches of a
-loss divided by k, the empirical G's convention; DDP averages the ranks' gradients). The columns are of the unscaled ``output``: no ``GradScaler`` division.
+loss divided by k, the empirical G's convention; DDP averages the ranks' gradients). The
+columns are of the unscaled ``output``: no ``GradScaler`` division.
+
+Not supported (refused by name): ``grad_hook="module"`` (the columns ride the output-gradient
+tensor hooks) and FSDP2 (``fully_shard``: its gradient hooks would run around every column).
 """
 import torch
 
@@ -99,6 +103,11 @@ def curvature_backward(kfac, output, targets, loss_func):
                            kfac.generator)
     weights = list({id(l.module.weight): l.module.weight for l in kfac._layers
                     if l.module.weight.requires_grad}.values())
+    sharded = _fsdp2_modules(kfac._capture.model)
+    if sharded:  # FSDP2's hooks would run around every column's backward
+        raise RuntimeError(f"curvature_backward: the FSDP2 (fully_shard) modules {sharded} "
+                           "are not supported (the columns' backward passes would run FSDP2's "
+                           "gradient hooks): use fisher_type='empirical' under FSDP2")
     capture = kfac._capture
     capture.in_columns = True
     try:
@@ -109,6 +118,16 @@ def curvature_backward(kfac, output, targets, loss_func):
         capture.in_columns = False
     sums.close(den)
     return len(columns)
+
+
+def _fsdp2_modules(model):
+    """Names of the ``fully_shard`` modules of ``model`` (its weights are unsharded, plain
+    tensors, between the forward and the backward: the module class tells)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 has none
+        return []
+    return [name or "<model>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
 def check_flavour_options(model, layers, fisher_type, kfac_approx, mc_samples, generator,

@@ -108,6 +108,7 @@ MUTANTS = {
         # the refusals
         Mutant(T_CURVATURE, "        if getattr(module, \"batch_first\", True) is False:",
                "        if getattr(module, \"batch_first\", True) is None:"),
+        Mutant(T_CURVATURE, "    sharded = _fsdp2_modules(kfac._capture.model)\n", "    sharded = []\n"),
         Mutant(T_CURVATURE, "    if fisher_type != \"empirical\" and grad_hook != \"tensor\":",
                "    if False:"),
     ],
