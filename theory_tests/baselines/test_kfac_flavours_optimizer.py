@@ -86,6 +86,75 @@ def test_the_first_factor_update_is_kfac_factors(fisher, approx):
         assert _rel(got[name][0], A) < TOL and _rel(got[name][1], G) < TOL
 
 
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_a_conv_nets_first_factor_update_is_kfac_factors(fisher, approx):
+    """Conv2d (its L patches one sample's rows) and a Linear, a per-image CE: kfac_factors's
+    factors (the empirical G's count: the B images)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(48, 4)).double()
+    x, y = torch.randn(5, 2, 4, 4, dtype=f64), torch.tensor([0, 3, 1, 2, 1])
+    lf = nn.CrossEntropyLoss()
+    ref = kfac_factors(model, lf, x, y, fisher_type=fisher, kfac_approx=approx)
+    _, kfac = _kfac(model, fisher_type=fisher, kfac_approx=approx)
+    _step(model, kfac, x, y, lf)
+    for name, (A, G) in ref.items():
+        got = kfac.factors()[name]
+        assert _rel(got[0], A) < TOL and _rel(got[1], G) < TOL
+
+
+class MaskedTokens(nn.Module):
+    """TokenNet's layers, the outputs averaged over each sample's real tokens (the reduce
+    setting with right padding: ``attention_mask`` 0 at the padded positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 5)
+
+    def forward(self, x, attention_mask):
+        m = attention_mask.unsqueeze(-1).to(x.dtype)
+        return (self.fc2(torch.tanh(self.fc1(x))) * m).sum(1) / m.sum(1)
+
+
+def test_reduce_with_ragged_padding_averages_each_samples_real_rows():
+    """A token mask with samples of 4, 2 and 3 real tokens: reduce's A and type-2 G are those
+    of the samples without their padding (kfac_factors on each sample alone, combined: A the
+    mean of the samples' A, G = R x the sum of the samples' sum-reduced G)."""
+    torch.manual_seed(0)
+    model = MaskedTokens().double()
+    x = torch.randn(3, 4, 3, dtype=f64)
+    lengths = [4, 2, 3]
+    mask = torch.tensor([[1] * n + [0] * (4 - n) for n in lengths])
+    y = torch.tensor([1, 4, 0])
+    lf = nn.CrossEntropyLoss()
+    alone = [kfac_factors(_Alone(model, n), nn.CrossEntropyLoss(reduction="sum"), x[i:i + 1, :n],
+                          y[i:i + 1], kfac_approx="reduce") for i, n in enumerate(lengths)]
+    _, kfac = _kfac(model, fisher_type="type-2", kfac_approx="reduce")
+    out = model(x, attention_mask=mask)
+    kfac.curvature_backward(out, y, lf)
+    lf(out, y).backward()
+    kfac.step()
+    report = kfac.capture_report()
+    assert str(report).count("tokens") == 2, report  # both layers read the mask
+    for name in ("fc1", "fc2"):
+        A = sum(f["m." + name][0] for f in alone) / 3
+        G = sum(f["m." + name][1] for f in alone) / 3
+        got = kfac.factors()[name]
+        assert _rel(got[0], A) < TOL and _rel(got[1], G) < TOL
+
+
+class _Alone(nn.Module):
+    """One unpadded sample through the same model (its mask all ones)."""
+
+    def __init__(self, model, n):
+        super().__init__()
+        self.m, self.n = model, n
+
+    def forward(self, x):
+        return self.m(x, attention_mask=torch.ones(1, self.n, dtype=torch.long))
+
+
 def test_reduce_and_expand_differ_on_a_weight_shared_model():
     torch.manual_seed(0)
     model = TokenNet(per_token=False).double()

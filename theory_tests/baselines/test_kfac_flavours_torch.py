@@ -14,7 +14,9 @@ code); relative errors are to the block's largest entry. And the port equals the
 The optimizer's flavours (``KFAC(fisher_type=, kfac_approx=)`` with ``curvature_backward``)
 are in ``test_kfac_flavours_optimizer.py``.
 """
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -271,13 +273,21 @@ def test_experts_factors_are_each_experts_ggn_block_at_one_token():
 
 # -- the stateless function's contract ---------------------------------------------------
 def test_kfac_factors_leaves_no_hooks_no_graph_and_no_grad():
-    """No hook stays on any module (also when it raises after the forward), no .grad is
-    written, a preset .grad is unchanged, and the parameters' values too."""
+    """No hook stays on any module (also when it raises after the forward), nothing of the
+    forward's graph outlives the call, no .grad is written, a preset .grad is unchanged, and
+    the parameters' values too."""
     model = _deep_linear(2)
     model[0].weight.grad = torch.ones_like(model[0].weight)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(4, 3, dtype=f64), torch.randn(4, 5, dtype=f64)
+    seen = []  # weak references to the forward's output and a hidden layer's
+    handles = [m.register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+               for m in (model, model[0])]
     kfac_factors(model, nn.MSELoss(), x, y)
+    for h in handles:
+        h.remove()
+    gc.collect()
+    assert len(seen) == 2 and all(r() is None for r in seen)  # its graph died with them
     with pytest.raises(ValueError, match="targets"):
         kfac_factors(model, nn.MSELoss(), x, y[:, :2])
     for m in model.modules():

@@ -318,10 +318,10 @@ def kfac_factors(model, loss_func, inputs, targets, *, fisher_type="type-2",
                          "model(inputs)")
     R = reduction_factor(loss_func, output, targets)
     columns = kfac_columns(loss_func, output, targets, fisher_type, mc_samples, generator)
-    outs = [(l, i, call) for l in layers for i, call in enumerate(calls.calls[l.name])]
     A = {l.name: _input_factor(l, calls.calls[l.name], kfac_approx) for l in layers}
     G = {l.name: None for l in layers}
-    unique = list({id(c[1]): c[1] for _, _, c in outs}.values())
+    # every call's output once (an experts module's is shared by its projections)
+    unique = list({id(c[1]): c[1] for l in layers for c in calls.calls[l.name]}.values())
     for k, col in enumerate(columns):
         grads = torch.autograd.grad(output, unique, grad_outputs=col,
                                     retain_graph=k < len(columns) - 1, allow_unused=True)
@@ -333,7 +333,7 @@ def kfac_factors(model, loss_func, inputs, targets, *, fisher_type="type-2",
                 A[layer.name] = _expert_input_factor(layer, per_call)
             stat = _grad_sum(layer, per_call, kfac_approx)
             G[layer.name] = stat if G[layer.name] is None else G[layer.name] + stat
-    del output, columns, outs, unique
+    del output, columns, unique  # the graph goes with them
     return {l.name: (A[l.name], G[l.name] * R) for l in layers}
 
 

@@ -102,6 +102,9 @@ MUTANTS = {
         # across ranks: the union's G divided by the ranks instead of the union's D
         Mutant(T_KFAC, "                    G = S_sum / sums[2 + per_sample(layer)][0]",
                "                    G = S_sum / world"),
+        # reduce ignoring a token mask (padding rows averaged in)
+        Mutant(T_FLAVOURS, "    w = r.new_ones(r.shape[:2]) if w is None else w.to(r.dtype)",
+               "    w = r.new_ones(r.shape[:2])"),
         # reduce's statistics not wired in the optimizer
         Mutant(T_KFAC, "                                reduce_input_stat if reduce else input_stat,",
                "                                input_stat,"),
