@@ -24,6 +24,9 @@ batch, as the empirical G's row counts do), and 1 per call for "sum" (k micro-ba
 loss divided by k, the empirical G's convention; DDP averages the ranks' gradients). The
 columns are of the unscaled ``output``: no ``GradScaler`` division.
 
+"mc" draws from ``KFAC(generator=)`` (a ``torch.Generator`` on the output's device), or
+torch's global generator.
+
 Not supported (refused by name): ``grad_hook="module"`` (the columns ride the output-gradient
 tensor hooks) and FSDP2 (``fully_shard``: its gradient hooks would run around every column).
 """
@@ -41,11 +44,10 @@ class ColumnSums:
 
     def __init__(self):
         self.reset()
-        self.reduction = None  # "mean" / "sum" of the step's losses (one per step)
 
     def reset(self):
         self.pending, self.done = {}, {}
-        self.reduction = None
+        self.reduction = None  # "mean" / "sum" of the step's losses (one per step)
         self._reached = set()
 
     def add(self, layer, g_stat):
