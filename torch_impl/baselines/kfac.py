@@ -376,10 +376,10 @@ class KFAC(PreconditionedOptimizer):
                     out.append((layer, None, None, False))
                     continue
                 a_sum, rows, s_sum, samples = mine[layer.name]
-                columns = self._column_sums(layer)  # (sum, D): mc / type-2's G
                 if not isinstance(rows, torch.Tensor) and rows == 0:
                     out.append((layer, None, None, False))  # only calls with 0 rows
                     continue
+                columns = self._column_sums(layer)  # (sum, D): mc / type-2's G
                 present = rows > 0 if isinstance(rows, torch.Tensor) else None
                 rows = rows.clamp(min=1) if isinstance(rows, torch.Tensor) else rows
                 if layer.experts is not None:  # per expert: (E,) counts against (E, d, d)

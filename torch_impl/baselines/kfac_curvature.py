@@ -162,7 +162,8 @@ def check_flavour_options(model, layers, fisher_type, kfac_approx, mc_samples, g
 def column_sums(kfac, layer):
     """(Σ g gᵀ, D) of ``layer``'s curvature columns; a layer with statistics but no columns
     means curvature_backward was not called (or its output did not reach the layer): an
-    error, never a silent fall back to the training rows."""
+    error, never a silent fall back to the training rows. (A call with 0 rows has columns
+    too: the hook of its empty output fires, with zeros.)"""
     found = kfac._columns.get(layer.name)
     if found is None:
         raise RuntimeError(
