@@ -155,6 +155,30 @@ class _Alone(nn.Module):
         return self.m(x, attention_mask=torch.ones(1, self.n, dtype=torch.long))
 
 
+class _Rare(nn.Module):
+    """A layer called on the rows that pass a test no row of these batches passes: 0 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.rare, self.b = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h + self.rare(h[x[:, 0] > 100]).sum(0))
+
+
+def test_a_layer_with_no_rows_sits_the_columns_update_out():
+    """type-2: the 0-row layer counts no_rows and keeps no factors; the others update."""
+    torch.manual_seed(0)
+    model = _Rare().double()
+    x, y = torch.randn(5, 3, dtype=f64), torch.tensor([0, 1, 0, 1, 1])
+    _, kfac = _kfac(model, fisher_type="type-2")
+    _step(model, kfac, x, y, nn.CrossEntropyLoss())
+    counters = kfac.counters()
+    assert counters["rare"]["no_rows"] == 1 and counters["rare"]["updates"] == 0
+    assert counters["a"]["updates"] == 1 and counters["b"]["updates"] == 1
+
+
 def test_reduce_and_expand_differ_on_a_weight_shared_model():
     torch.manual_seed(0)
     model = TokenNet(per_token=False).double()
