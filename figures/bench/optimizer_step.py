@@ -1,7 +1,7 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory] [--repeats 9]
-        [--device cpu] [--json PATH]
+    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours]
+        [--repeats 9] [--device cpu] [--json PATH]
         [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
 * ``mars``: one optimizer step (no forward/backward) on a GPT-like parameter list (~30M
@@ -20,6 +20,8 @@
 * ``hf``: training steps of a GPT-2-like and a ResNet-like transformers model at two batch
   sizes, backbone alone against MKOR and K-FAC (:mod:`figures.bench.hf`).
 * ``memory``: optimizer-state bytes and peak step temporaries per parameter, vs AdamW.
+* ``kfac_flavours``: K-FAC's "mc" / "type-2" training step over the empirical one on a tiny
+  Llama (:mod:`figures.bench.kfac_flavours`).
 
 Runs are interleaved (every repeat times every contender once, in turn) and the median is
 reported with its ratio to the reference contender of the same table: absolute times are not
@@ -231,7 +233,7 @@ def _table(title, times, reference):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m figures.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["mars", "mars_m", "orthogonalisers", "mkor", "hf",
-                                           "memory"])
+                                           "memory", "kfac_flavours"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=8,
@@ -320,6 +322,11 @@ def main(argv=None):
             print(f"| {name} | {m['state_bytes_per_param']:.1f} | "
                   f"{m['peak_temporary_bytes_per_param']:.2f} | "
                   f"{m['peak_temporary_over_largest_param']:.2f} |")
+    if args.only in (None, "kfac_flavours"):  # issue 46: MC / type-2 step / empirical
+        from figures.bench import kfac_flavours as bench_kfac_flavours
+        print("\nK-FAC flavours, training step on a tiny Llama (factor_freq 1):")
+        report["kfac_flavours_over_empirical"] = bench_kfac_flavours.main(
+            ["--repeats", str(min(args.repeats, 5))])
     emit_json(report, args.json)
 
 
