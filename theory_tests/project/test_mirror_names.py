@@ -28,6 +28,9 @@ ORACLE_ONLY_MODULES = {
     # MKOR's per-expert equations: the port runs its 2-D functions (vectors, factors,
     # layer_state) batched over the expert axis
     "mkor.experts",
+    # K-FAC's flavours (issue 46): oracle-only until the port's twin
+    # torch_impl/baselines/kfac_flavours.py lands (helper D); remove this line then
+    "baselines.kfac_flavours",
 }
 ORACLE_ONLY = {
     # fused for memory on the torch side: adamw_step_ / lion_step_ compute direction and decay

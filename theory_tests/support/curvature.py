@@ -141,13 +141,13 @@ def fisher_output_matrices(loss_func, points):
         return out
     at_mean = loss_gradients(loss_func, points, points)
     D = torch.autograd.functional.jacobian(
-        lambda y: loss_gradients_graph(kind, points, y), points)  # (P, C, P, C)
+        lambda y: _loss_gradients_graph(kind, points, y), points)  # (P, C, P, C)
     D = torch.einsum("pcpd->pcd", D)
     cov = 0.5 * torch.eye(C, dtype=points.dtype)
     return at_mean[:, :, None] * at_mean[:, None, :] + D @ cov @ D.transpose(1, 2)
 
 
-def loss_gradients_graph(kind, points, targets):
+def _loss_gradients_graph(kind, points, targets):
     """∇_f Σ_n ℓ_n kept differentiable in the targets (for the MSE Fisher's D)."""
     f = points.detach().requires_grad_(True)
     (grad,) = torch.autograd.grad(_summed_loss(kind, f, targets), f, create_graph=True)
@@ -197,6 +197,13 @@ def layer_jacobian(model, loss_func, inputs, layer, *, part="joint", expert=None
         raise ValueError("part='bias' but the layer has no bias")
     weight = layer.weight.detach()
     bias = layer.bias.detach() if has_bias else None
+    fused = weight.dim() == 3 and not isinstance(layer, nn.Conv1d)
+    if fused != (expert is not None):
+        raise ValueError("expert= is for a fused-expert layer (weight (E, d_out, d_in)) and it "
+                         f"needs one; got expert={expert!r} for a weight of shape "
+                         f"{tuple(weight.shape)}")
+    if fused and not 0 <= expert < weight.shape[0]:
+        raise ValueError(f"expert={expert} is not one of the layer's {weight.shape[0]} experts")
 
     def out(w, b):
         params = {prefix + "weight": w}

@@ -35,7 +35,11 @@ class Captured:
         self.kind = loss_kind(loss_func)
         self.points = output_points(loss_func, self.output).detach().numpy()
         self.targets = target_points(loss_func, targets, self.output).numpy()
-        self.R = reduction_factor(loss_func, self.output)
+        # the oracle's R (KC1), held to the brute force's on every capture
+        self.R = oracle.reduction_factor(self.kind, loss_func.reduction, self.points.shape[0],
+                                         self.output.numel())
+        if self.R != reduction_factor(loss_func, self.output):
+            raise AssertionError(f"oracle R {self.R} != brute-force R")
         self.loss = loss_func(self.output, targets)
 
     def backprop(self, columns):

@@ -7,13 +7,13 @@ and such a mutant is expected to survive. Each row that names code has at least 
 of it, in the oracle and in the port where each exists (``theory_tests/project/
 test_claims_index.py``)."""
 from ..mutant import Mutant
-from . import (baselines, common, figures, integrations, kronecker, kronecker_capture,
+from . import (baselines, common, curvature, figures, integrations, kronecker, kronecker_capture,
                kronecker_experts, mars, mkor, peer_conventions, readme_and_packaging)
 
 __all__ = ["Mutant", "MUTANTS"]
 
 AREAS = (mars, mkor, kronecker, kronecker_capture, kronecker_experts, baselines, common,
-         integrations, figures, peer_conventions, readme_and_packaging)
+         integrations, figures, peer_conventions, readme_and_packaging, curvature)
 
 MUTANTS = {}
 for _area in AREAS:
