@@ -157,9 +157,11 @@ def cosine(t, steps, warmup):
 
 
 def train(ctx, model_fn, spec, lr, seed, steps, batch_fn, loss_fn, evaluate, eval_every,
-          warmup=0.05, tokens_per_step=0, desc=None):
+          warmup=0.05, tokens_per_step=0, desc=None, before_backward=None):
     """Train one seed; returns (rows, stepper). Rows: dicts with step, wall_s, tokens and the
-    metrics ``evaluate(model)`` returns. A non-finite loss ends the run (rows then stop)."""
+    metrics ``evaluate(model)`` returns. A non-finite loss ends the run (rows then stop).
+    ``before_backward(stepper, output, targets)``, if given, runs between the loss and its
+    backward (K-FAC's "mc" / "type-2" columns: ``KFAC.curvature_backward``)."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -173,9 +175,12 @@ def train(ctx, model_fn, spec, lr, seed, steps, batch_fn, loss_fn, evaluate, eva
         start = time.perf_counter()
         opt.set_lr_factor(cosine(t, steps, int(warmup * steps)))
         x, y = batch_fn(gen)
-        loss = loss_fn(model(x.to(ctx.device)), y.to(ctx.device))
+        output, y = model(x.to(ctx.device)), y.to(ctx.device)
+        loss = loss_fn(output, y)
         if not torch.isfinite(loss):
             break
+        if before_backward is not None:
+            before_backward(opt, output, y)
         loss.backward()
         opt.step(loss.detach())
         opt.zero_grad()

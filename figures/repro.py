@@ -171,6 +171,11 @@ REPRO = {
                              "reported runs 0.04 sd; its swept lrs are compared exactly"),
     # bf16 Newton-Schulz turns a last-bit difference of a momentum into a bf16 rounding of
     # the update, and 60 steps carry it: val_loss moved 3.8 of its seed sd (AVX2, step 20)
+    # panel 1 is float64 linear algebra on fixed networks (the floor: 1e-6), panel 2 the
+    # digits CNN's loss curves (their seed spread, as figure 4)
+    "curvature_distance": Repro(why="panel 1's distances are float64 brute force and "
+                                    "factors of fixed networks, within the 1e-6 floor; "
+                                    "panel 2's curves: figure 4's rule"),
     "orthogonalisers": Repro(wide=(("val_loss", 8.0), ("polar_distance", 1.5)),
                              why="bf16 training: val_loss drifted 3.8 seed sd (AVX2, step 20) "
                                  "and the polar distances 0.59 sd (2 threads), so 8 and 1.5 sd "

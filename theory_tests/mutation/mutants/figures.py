@@ -14,6 +14,7 @@ F_VARIANCE = "figures/experiments/variance_reduction.py"
 F_PROGRESS = "figures/progress.py"
 F_SUMMARY = "figures/summary.py"
 F_HARNESS = "theory_tests/mutation/harness.py"
+F_CURV = "figures/curvature_methods.py"
 PYPROJECT = "pyproject.toml"
 
 
@@ -89,6 +90,30 @@ MUTANTS = {
         # no total before the first mutant
         Mutant(F_HARNESS, '    print(f"{len(todo)} mutants to run on {max(1, args.jobs)} worker(s)", flush=True)\n',
                ""),
+    ],
+    "FIG-CURVATURE": [
+        # the scaled distance without its best scalar: the raw distance again
+        Mutant(F_CURV, "    c = float((block * approx).sum()) / kk if kk > 0 else 0.0",
+               "    c = 1.0"),
+        # reduce's and expand's statistics swapped in the oracle path
+        Mutant(F_CURV, 'rule = oracle.expand_factors if kfac_approx == "expand" else '
+                       'oracle.reduce_factors',
+               'rule = oracle.reduce_factors if kfac_approx == "expand" else '
+               'oracle.expand_factors'),
+        # the wrong group mean: a group's sum (its size times the mean)
+        Mutant(F_CURV, "torch.stack([group.mean(0) for group in torch.tensor_split(rows, k)])",
+               "torch.stack([group.sum(0) for group in torch.tensor_split(rows, k)])"),
+        # a Linear's per-sample multiplier R_g taken as the samples, not the rows (K3)
+        Mutant(F_CURV, "per_sample = fwd.a[name].shape[0] if isinstance(layer, nn.Conv2d) "
+                       "else a.shape[0]",
+               "per_sample = fwd.a[name].shape[0]"),
+        # MKOR's bias column dropped
+        Mutant(F_CURV, "        if layer.bias is not None:\n            a = torch.cat(",
+               "        if False:\n            a = torch.cat("),
+        # rounding noise drawn as a distance: nothing is ever recorded as cancelled
+        Mutant(F_CURV, "VANISHED = 1e-20\n", "VANISHED = 0.0\n"),
+        # the training hook never called: mc / type-2 K-FAC would have no columns
+        Mutant(F_COMMON, "            before_backward(opt, output, y)\n", "            pass\n"),
     ],
     "FIG-ENVIRONMENT": [
         # transformers unpinned: a newer one changes the BERT figures' last bits
