@@ -294,6 +294,24 @@ def test_a_loss_scale_leaves_the_columns_unscaled():
         assert _rel(results[1][name][0], A) < TOL and _rel(results[1][name][1], G) < TOL
 
 
+def test_a_grad_scaler_leaves_the_columns_unscaled():
+    """torch.amp.GradScaler (scale 1024) stepping K-FAC: the first factors are kfac_factors's."""
+    torch.manual_seed(0)
+    model = TokenNet().double()
+    x, y = _data(True)
+    lf = nn.CrossEntropyLoss()
+    ref = kfac_factors(model, lf, x, y)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _, kfac = _kfac(model, fisher_type="type-2", grad_scaler=scaler)
+    out = model(x)
+    kfac.curvature_backward(out, y, lf)
+    scaler.scale(lf(out, y)).backward()
+    scaler.step(kfac)
+    scaler.update()
+    for name, (A, G) in ref.items():
+        assert _rel(kfac.factors()[name][0], A) < TOL and _rel(kfac.factors()[name][1], G) < TOL
+
+
 def test_state_dict_round_trip_continues_bit_for_bit():
     lf = nn.CrossEntropyLoss()
 
