@@ -87,6 +87,8 @@ MUTANTS = {
         # G from the training backward's rows although the columns were run
         Mutant(T_KFAC, "                    s_sum, samples = columns[0], 1.0 / columns[1]",
                "                    pass"),
+        # the columns divided by the loss scale as the training rows are
+        Mutant(T_KFAC, "        scale = scale if self._columns is None else 1.0", "        scale = scale"),
         # D of a mean: 1 per call instead of the counted positions
         Mutant(T_CURVATURE, "    den = (1.0 / R if loss_func.reduction == \"mean\" else 1.0)", "    den = 1.0"),
         # the self-check skipping the columns (their weight gradients then see no rows)
