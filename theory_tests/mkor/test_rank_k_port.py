@@ -226,3 +226,25 @@ def test_rank_is_validated(bad):
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="rank"):
         MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=bad)
+
+
+def test_a_C_that_is_not_positive_definite_is_refused_not_used():
+    """C = c0 I + V J V^T is positive definite for an SPD J; for an indefinite stored J (a
+    corrupted factor) the Cholesky fails without a sync, Z becomes NaN, and the layer's update
+    is refused and counted as an overflow, the factor kept."""
+    from torch_impl.mkor.config import FactorRule
+    from torch_impl.mkor.layer_state import update_layer_factors
+    J = -torch.eye(4, dtype=f64)
+    V = torch.full((2, 4), 3.0, dtype=f64)
+    J_new, _ = TK.rank_k_factor_update(J, V, variant="paper", stat_decay=0.9, zeta=0.9,
+                                       threshold=10.0)
+    assert torch.isnan(J_new).all()
+    rule = FactorRule("paper", 0.9, 0.9, 10.0, "max_entry", "before_sm", "blend", "per_factor",
+                      "sm", f64)
+    state = {"L_inv": J.clone(), "R_inv": torch.eye(4, dtype=f64)}
+    state.update({k: torch.zeros((), dtype=torch.long) for k in
+                  ("updates_a", "updates_g", "non_finite", "overflow", "no_rows", "fired")})
+    state.update({k: torch.zeros((), dtype=torch.bool) for k in ("reset_a", "reset_g")})
+    update_layer_factors(state, V, V, None, rule, groups=torch.tensor(2))
+    assert int(state["overflow"]) == 1 and int(state["updates_g"]) == 0
+    assert torch.equal(state["L_inv"], J) and int(state["updates_a"]) == 1

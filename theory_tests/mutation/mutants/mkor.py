@@ -369,6 +369,8 @@ MUTANTS = {
                "    return k * (stat_decay / (1 - stat_decay)) if variant == \"paper\" else k ** 0"),
         # k' ignored: an empty group counted in the weight
         Mutant(T_RANK_K, "        return groups.to(V.dtype)", "        return V.new_full(V.shape[:-2], float(V.shape[-2]))"),
+        # a failed Cholesky's garbage used instead of refused
+        Mutant(T_RANK_K, "    return torch.where((info == 0)[..., None, None], Z, torch.nan)", "    return Z"),
         # a deferred reset still applies the Woodbury term
         Mutant(T_RANK_K, "        s = torch.where(flag, scalar(0.0), s)", "        s = s"),
         # the stabiliser's blend skipped in the Woodbury step
