@@ -4,6 +4,7 @@ accumulation (group j pools the j-th pieces of every micro-batch), fused experts
 expert's own real rows, token order; fewer than k rows; none), checkpoints, the payload, no
 host sync and no solve larger than k x k. Expected values are computed here from rows that
 plain hooks recorded, with the oracle (``reference/mkor/rank_k.py``)."""
+import copy
 import io
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch.nn.functional as Fn
 
 from reference.mkor import rank_k as RK
 from theory_tests.mkor.test_differential import _record
-from theory_tests.mkor.test_torch_preconditioner import batch, make, train
+from theory_tests.mkor.test_torch_preconditioner import SmallCNN, batch, make, train
 from torch_impl.mkor import MKOR
 
 f64 = torch.float64
@@ -226,3 +227,34 @@ def test_an_expert_routed_no_token_sits_the_update_out():
             if e in empty:
                 assert identity and int(counters["no_rows"][e]) == 1
             assert int(counters["non_finite"][e] + counters["overflow"][e]) == 0
+
+
+def test_module_hooks_give_the_tensor_hooks_result():
+    """grad_hook="module" pairs the same rows: the same rank-k run, bit for bit."""
+    runs = []
+    for hook in ("tensor", "module"):
+        model, opt, mkor = make(rank=3, inv_freq=2, grad_hook=hook)
+        train(model, opt, mkor, 4)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_the_hybrid_switch_hands_over_as_for_rank_one():
+    """MKOR-H at switch_step 2 with rank 3: factors freed, then the backbone's steps bit for
+    bit (the same SGD run from the parameters and momentum at the switch)."""
+    model, opt, mkor = make(rank=3, inv_freq=1, switch_step=2)
+    train(model, opt, mkor, 2)
+    assert not mkor.switched
+    train(model, opt, mkor, 1, start=2)
+    assert mkor.switched and mkor.inverse_factors() == {}
+    twin_model = SmallCNN()
+    twin_opt = torch.optim.SGD(twin_model.parameters(), lr=0.05, momentum=0.9)
+    twin_model.load_state_dict(model.state_dict())
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # no shared momentum buffers
+    for t in range(3, 5):
+        for m, o in ((model, opt), (twin_model, twin_opt)):
+            x, y = batch(t)
+            Fn.mse_loss(m(x), y).backward()
+            (mkor if m is model else o).step()
+            o.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin_model.parameters()))

@@ -159,6 +159,7 @@ def test_woodbury_inverts_the_factor_ema_symbolically():
     assert solve.is_zero(W * (rho * sp.eye(2) + (1 - rho) / 2 * V.T * V * J) - J)
 
 
+@pytest.mark.slow  # ~2-5 s; the float64 test below covers the default run, the mutants run it
 def test_woodbury_released_inverts_symbolically(monkeypatch):
     """KC8 "released", d = k = 2: W (J'^{-1} + (1/k) V^T V) = I with J' = b J + (1 - b) I,
     b the code's 0.95 as the exact rational 19/20 (a float would leave round-off to cancel)."""
