@@ -75,8 +75,9 @@ def _group_input_stat(layer, rows, mask, experts=None, *, rank):
     rank-1 one (all real rows; per expert for a stack)."""
     sums, counts = group_row_sums(_promote(rows), rank, mask, experts, layer.experts)
     stat = torch.cat([sums, counts.unsqueeze(-1).to(sums.dtype)], dim=-1)
-    return stat, counts.sum(dim=-1) if mask is not None or experts is not None else \
-        rows[..., 0].numel()
+    if mask is None and experts is None:  # rank 1's plain count: an int, read without a sync
+        return stat, rows[..., 0].numel()
+    return stat, counts.sum(dim=-1)
 
 
 def _group_grad_stat(layer, rows, mask, experts=None, *, rank):
