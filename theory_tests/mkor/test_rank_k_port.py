@@ -248,3 +248,29 @@ def test_a_C_that_is_not_positive_definite_is_refused_not_used():
     update_layer_factors(state, V, V, None, rule, groups=torch.tensor(2))
     assert int(state["overflow"]) == 1 and int(state["updates_g"]) == 0
     assert torch.equal(state["L_inv"], J) and int(state["updates_a"]) == 1
+
+
+@pytest.mark.parametrize("endpoint", ["one row per group", "groups = samples"])
+def test_the_ports_statistics_reach_both_kfac_endpoints(endpoint):
+    """MKOR(rank=k) on a Linear fed (N, S, d) tokens, mean loss over the N S rows: with k = N S
+    the port's (1/k) sum v v^T are K-FAC's A and G (K19, ``kfac_factors`` on the recorded
+    rows); with k = N, K-FAC-reduce's A and G / S (KC5, from the rows here)."""
+    from reference.baselines.kfac import kfac_factors
+    torch.manual_seed(3)
+    N, S = 3, 4
+    model = nn.Linear(5, 2).to(f64)
+    mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), factor_dtype=f64,
+                rank=N * S if endpoint == "one row per group" else N)
+    seen = _record({"fc": model})
+    x, y = torch.randn(N, S, 5, dtype=f64), torch.randn(N, S, 2, dtype=f64)
+    Fn.mse_loss(model(x), y).backward()
+    A, G = (v.numpy() for v in mkor.pending_vectors()[""])
+    a, g = seen["x", "fc"].detach().numpy(), seen["g", "fc"].detach().numpy()
+    stat_A, stat_G = A.T @ A / A.shape[0], G.T @ G / G.shape[0]
+    if endpoint == "one row per group":
+        A_ref, G_ref = kfac_factors(a, g, has_bias=True)
+    else:
+        a_bar = np.concatenate([a.mean(1), np.ones((N, 1))], axis=1)
+        g_hat = g.sum(1)
+        A_ref, G_ref = a_bar.T @ a_bar / N, (N * S) * g_hat.T @ g_hat / S
+    assert _err(stat_A, A_ref) < 1e-14 and _err(stat_G, G_ref) < 1e-14
