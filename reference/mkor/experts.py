@@ -14,11 +14,13 @@ import numpy as np
 
 from reference.common.moe import expert_pairs, linear_layout
 from reference.mkor.factors import factor_update, precondition, rescale
+from reference.mkor.rank_k import group_means
 from reference.mkor.vectors import linear_rank1_vectors
 
 __all__ = [
     # per-expert statistics and updates (K6, K8-K14)
-    "expert_rank1_vectors", "present_stack", "expert_factor_updates", "expert_precondition",
+    "expert_rank1_vectors", "expert_group_vectors", "present_stack", "expert_factor_updates",
+    "expert_precondition",
 ]
 
 
@@ -32,6 +34,19 @@ def expert_rank1_vectors(rows, has_bias, projection=None):
     """
     return [None if a.shape[0] == 0 else linear_rank1_vectors(a, g, has_bias)
             for a, g in expert_pairs(rows, projection)]
+
+
+def expert_group_vectors(rows, rank, has_bias, projection=None):
+    r"""Rank-k MKOR's group means per expert (KC7): each expert's own n_e (real) rows in
+    token order -- sample order; ``expert_rows`` lists them slot-major, so its dicts are
+    re-ordered by ``tokens`` -- cut into k groups (``group_means``), R_g = n_e. An expert with
+    fewer than k rows has one group per row (k' = n_e, the one-row-per-group endpoint: its
+    K-FAC factors); one with no rows has None (no update, as for rank 1)."""
+    pairs = expert_pairs(rows, projection)
+    if rows and isinstance(rows[0], dict):
+        orders = [np.argsort(r["tokens"], kind="stable") for r in rows]
+        pairs = [(a[order], g[order]) for (a, g), order in zip(pairs, orders)]
+    return [None if a.shape[0] == 0 else group_means(a, g, rank, has_bias) for a, g in pairs]
 
 
 def present_stack(vectors, dim):

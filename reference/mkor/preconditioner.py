@@ -23,6 +23,9 @@ from reference.mkor.factors import (  # noqa: F401  (re-exported)
     needs_stabilising, precondition, printed_algorithm1_update, rank1_inverse_update,
     released_inverse_update, rescale, reset_factor, sherman_morrison, spectral_norm, stabilise,
     symmetrise)
+from reference.mkor.rank_k import (  # noqa: F401  (re-exported)
+    conv2d_group_vectors, group_means, linear_group_vectors, rank_k_factor_update,
+    woodbury_ema_inverse_update, woodbury_released_update)
 from reference.mkor.vectors import (  # noqa: F401  (re-exported)
     conv2d_rank1_vectors, linear_rank1_vectors, unfold2d)
 
@@ -36,6 +39,9 @@ __all__ = [
     "FactorOptions", "VARIANT_OPTIONS",
     # preconditioning and rescaling with the factors (factors): K13, K14
     "precondition", "rescale",
+    # rank k (rank_k): KC7 group means, KC8 Woodbury
+    "group_means", "linear_group_vectors", "conv2d_group_vectors",
+    "woodbury_ema_inverse_update", "woodbury_released_update", "rank_k_factor_update",
     # this module: K2, K15
     "MKORConfig", "MKORReference", "backbone_update",
     "is_factor_update_step",
@@ -69,6 +75,7 @@ class MKORConfig:
     warmup_steps: int = 0
     backbone: str = "sgd"             # a function name in reference.common.first_order
     backbone_kwargs: dict = field(default_factory=lambda: {"lr": 0.1})
+    rank: int = 1                     # k group means per factor (KC7, KC8); 1 = rank-1 MKOR
 
     def __post_init__(self):
         defaults = VARIANT_OPTIONS[self.variant] if self.variant in VARIANT_OPTIONS else None
@@ -85,6 +92,8 @@ class MKORConfig:
             raise ValueError(f"bad stabilizer_coupling {self.stabilizer_coupling!r}")
         if self.inv_freq < 1:
             raise ValueError(f"inv_freq must be >= 1, got {self.inv_freq}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank must be an int >= 1, got {self.rank!r}")
         _ = self.factor_options  # FactorOptions validates the per-factor values
 
     @property
@@ -112,7 +121,8 @@ class MKORReference:
 
     * ``grad_W`` (any shape with d_out first), ``grad_b`` (d_out,) or None;
     * ``a_bar`` (d_in',) and ``g_bar`` (d_out,): required on factor-update steps,
-      may be None otherwise;
+      may be None otherwise; with ``config.rank`` k > 1, (k', d_in') and (k', d_out): the
+      k' <= k group means of KC7 (``rank_k``), and the factors take KC8's Woodbury step;
     * ``sgd`` (optional, default False): an sgd_layer, passed through unchanged.
 
     State (public, for tests): ``L_inv[m]``, ``R_inv[m]`` (start at I), ``steps``,
@@ -152,11 +162,24 @@ class MKORReference:
         return dims
 
     def _update_one(self, J, v, first, reset_flag):
-        """factor_update with this config, or None when v is non-finite (skipped)."""
+        """factor_update with this config (rank_k_factor_update for a rank > 1: ``v`` then
+        holds the k' <= rank group means as rows, KC7/KC8), or None when v is non-finite
+        (skipped)."""
         if not np.all(np.isfinite(v)):
             self.skipped_updates += 1
             return None
         c = self.config
+        if c.rank > 1:
+            V = np.asarray(v, dtype=np.float64).reshape(-1, J.shape[0])
+            if not 1 <= V.shape[0] <= c.rank:
+                raise ValueError(f"rank {c.rank}: expected 1 to {c.rank} group means, "
+                                 f"got {V.shape[0]}")
+            o = c.factor_options
+            return rank_k_factor_update(
+                J, V, variant=c.variant, stat_decay=c.stat_decay, zeta=c.zeta,
+                threshold=c.threshold, norm=c.stabilizer_norm, first=first,
+                reset_flag=reset_flag, stabilizer_timing=o.stabilizer_timing,
+                stabilizer_reset=o.stabilizer_reset, first_update=o.first_update)
         return factor_update(J, np.asarray(v, dtype=np.float64), variant=c.variant,
                              stat_decay=c.stat_decay, zeta=c.zeta, threshold=c.threshold,
                              norm=c.stabilizer_norm, options=c.factor_options,

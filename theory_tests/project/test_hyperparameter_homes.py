@@ -52,7 +52,8 @@ def test_every_mkor_keyword_reaches_its_option():
                   warmup_steps=4, grad_accum_steps=2, grad_scale=8.0, skip_modules=("2",),
                   grad_hook="module", hybrid_switch="loss_rate", switch_window=7,
                   switch_check_every=5, switch_threshold=0.25, switch_patience=6,
-                  switch_step=90, max_factor_dim=77, token_mask="mask", factor_placement="owner")
+                  switch_step=90, max_factor_dim=77, token_mask="mask", factor_placement="owner",
+                  rank=2)
     assert set(chosen) == {f.name for f in dataclasses.fields(MKOROptions)}
     model = _model()
     mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1), **chosen)

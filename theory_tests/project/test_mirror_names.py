@@ -72,6 +72,8 @@ TORCH_ONLY = {
     # over ranks before dividing
     "mkor.vectors": {"conv2d_grad_sum", "conv2d_input_sum", "grad_row_sum", "input_row_sum",
                      "linear_grad_sum", "linear_input_sum", "row_sum", "expert_row_sum"},
+    # rank k's group sums and their means, kept apart for the same reason (KC7, additive)
+    "mkor.rank_k": {"group_row_sums", "vectors_from_group_sums", "group_vectors"},
 }
 
 # Port functions whose oracle has the same name in a module of reference/ that is not their

@@ -162,6 +162,7 @@ class MKOROptions:
     max_factor_dim: int
     token_mask: str
     factor_placement: str
+    rank: int
 
     def __post_init__(self):
         def set_(name, value):  # a frozen record is written here, while it is being made
@@ -179,6 +180,7 @@ class MKOROptions:
         if self.precondition_dtype is not None:
             set_("precondition_dtype", _dtype("precondition_dtype", self.precondition_dtype))
         check_int("inv_freq", self.inv_freq, low=1)
+        check_int("rank", self.rank, low=1)
         check_number("stat_decay", self.stat_decay, 0.0, 1.0, high_open=True, low_open=True)
         check_number("zeta", self.zeta, 0.0, 1.0)
         check_number("threshold", self.threshold, 0.0, low_open=True, finite=True)

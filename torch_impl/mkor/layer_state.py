@@ -10,12 +10,14 @@ sat out because no rows reached it: an MoE expert routed no tokens, on every ran
 (stabiliser actions) and the deferred reset flags ``reset_a``/``reset_g``.
 Every decision is a ``torch.where`` on 0-d tensors: nothing here synchronises with the device.
 """
+import functools
 import math
 
 import torch
 
 from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
                       rescale)
+from .rank_k import rank_k_factor_update
 from ..kronecker.placement import FullGradients, OwnerGradients
 
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
@@ -71,13 +73,16 @@ class Workspace:
         return tuple(out)
 
 
-def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None):
+def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None, groups=None):
     """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) by the factor ``rule``
     (a :class:`~.config.FactorRule`: K8-K12);
     a non-finite vector or result is refused and counted.  ``present``: None when the layer
     has rows, False when it has none (counted in ``no_rows``, nothing else happens), or a
     0-d bool tensor saying whether it has rows (no host sync). With a ``workspace`` the new
-    factor is computed in a borrowed buffer and written into the stored one (no allocation)."""
+    factor is computed in a borrowed buffer and written into the stored one (no allocation).
+    ``groups``: None for rank-1 vectors; for rank k (KC7/KC8) ``a_bar`` and ``g_bar`` hold k
+    group means as rows ((.., k, d)) and ``groups`` the groups holding a row (k', a 0-d or
+    per-expert tensor), and the factors take the Woodbury step."""
     if present is False:
         s["no_rows"] = s["no_rows"] + 1
         return
@@ -99,7 +104,9 @@ def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None):
         if J is None:  # an identity side (size guard): nothing to update
             return None, None
         buf = None if workspace is None else workspace.views([J.shape], cd, J.device)[0]
-        J_new, fired = factor_update(
+        step = factor_update if groups is None else functools.partial(
+            rank_k_factor_update, groups=groups)
+        J_new, fired = step(
             J, v, variant=rule.variant, stat_decay=rule.stat_decay, zeta=rule.zeta,
             threshold=rule.threshold, norm=rule.stabilizer_norm,
             stabilizer_timing=rule.stabilizer_timing, stabilizer_reset=rule.stabilizer_reset,
@@ -107,6 +114,8 @@ def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None):
         # Non-finite statistics (or an overflowing update) never enter a factor; a NaN or
         # inf entry shows in the max-entry norm, so no elementwise isfinite pass is needed.
         finite_v = torch.isfinite(v).all(dim=-1)  # per expert for a stack
+        if groups is not None:  # every group mean of the layer (of each expert)
+            finite_v = finite_v.all(dim=-1)
         finite_J = torch.isfinite(max_entry_norm(J_new))
         bad_v, bad_J = ~finite_v, finite_v & ~finite_J
         ok = finite_v & finite_J

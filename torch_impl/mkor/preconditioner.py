@@ -20,6 +20,8 @@ J_R = R^{-1}, both starting at I. Each step t:
 with U the variant's O(d^2) Sherman-Morrison update (:mod:`.factors`), \bar a, \bar g
 the rank-1 vectors of :mod:`.vectors`, f = ``inv_freq``, t_w = ``warmup_steps``.
 """
+import functools
+
 import torch
 
 from ..common.validation import check_bool
@@ -33,6 +35,7 @@ from .config import MKOROptions
 from .factors import RELEASED_THRESHOLD
 from .hybrid import HybridSwitch
 from .layer_state import Workspace, initial_layer_state, precondition_layer, update_layer_factors
+from .rank_k import group_row_sums, group_vectors
 from .vector_exchange import BackwardProgress, VectorExchange
 from .vectors import grad_row_sum, input_row_sum
 
@@ -63,6 +66,26 @@ def _input_stat(layer, rows, mask, experts=None):
 def _grad_stat(layer, rows, mask, experts=None):
     return grad_row_sum(_promote(rows), mask, layer.type.rows_per_sample(rows.shape[:-1]),
                         experts, layer.experts)
+
+
+def _group_input_stat(layer, rows, mask, experts=None, *, rank):
+    """Rank k (KC7): each group's sum of [a_i | 1] over its real rows, with the group's row
+    count as the last column whether or not the layer has a bias (with one, that column *is*
+    the bias column), so the counts travel inside the statistic; the count returned is the
+    rank-1 one (all real rows; per expert for a stack)."""
+    sums, counts = group_row_sums(_promote(rows), rank, mask, experts, layer.experts)
+    stat = torch.cat([sums, counts.unsqueeze(-1).to(sums.dtype)], dim=-1)
+    if mask is None and experts is None:  # rank 1's plain count: an int, read without a sync
+        return stat, rows[..., 0].numel()
+    return stat, counts.sum(dim=-1)
+
+
+def _group_grad_stat(layer, rows, mask, experts=None, *, rank):
+    """Rank k (KC7): each group's sum of g_i over its real rows divided by the rows per sample
+    (K4's units, as ``grad_row_sum``); the count is unused (the input statistic's is read)."""
+    sums, counts = group_row_sums(_promote(rows), rank, mask, experts, layer.experts)
+    per_sample = 1 if experts is not None else layer.type.rows_per_sample(rows.shape[:-1])
+    return (sums if per_sample == 1 else sums / per_sample), counts.sum(dim=-1)
 
 
 def _row_mean(a_sum, rows):
@@ -168,6 +191,13 @@ class MKOR(PreconditionedOptimizer):
             pass has reached every captured layer, instead of in :meth:`step` (same
             result; every rank must run the same forward/backward structure, and with
             accumulation non-final micro-batches belong in DDP's ``no_sync()``).
+        rank: k >= 1 group means per factor and update (KC7, KC8; :mod:`.rank_k`). 1 (default)
+            is rank-1 MKOR, run by its own code. k > 1: the rows of each forward call (in
+            their leading layout, row-major: sample order for batch-first rows) are cut into
+            k contiguous groups; group j's sums pool the j-th pieces of every call,
+            micro-batch and rank of the step (so DDP equals one process accumulating the
+            ranks' batches); the factors take a Woodbury step of rank k', the groups holding
+            a real row, in O(k d^2 + k^3); the all-reduce carries k vectors per factor.
 
     Distributed (``torch.distributed`` initialised, e.g. under ``torchrun`` with DDP): on a
     factor-update step every rank all-reduces one buffer of :attr:`payload_bytes` bytes
@@ -189,7 +219,7 @@ class MKOR(PreconditionedOptimizer):
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, max_factor_dim=8192,
                  token_mask="attention_mask", factor_placement="replicated", grad_scaler=None,
-                 process_group=None, comm_overlap=False, self_check=True):
+                 process_group=None, comm_overlap=False, self_check=True, rank=1):
         self._bind(model, optimizer, grad_scaler)
         self.options = o = MKOROptions(
             inv_freq=inv_freq, stat_decay=stat_decay, variant=variant, zeta=zeta,
@@ -203,7 +233,7 @@ class MKOR(PreconditionedOptimizer):
             switch_window=switch_window, switch_check_every=switch_check_every,
             switch_threshold=switch_threshold, switch_patience=switch_patience,
             switch_step=switch_step, max_factor_dim=max_factor_dim, token_mask=token_mask,
-            factor_placement=factor_placement)
+            factor_placement=factor_placement, rank=rank)
         check_bool("comm_overlap", comm_overlap)
         self.process_group = process_group
         found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
@@ -222,12 +252,17 @@ class MKOR(PreconditionedOptimizer):
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
-        self._exchange = VectorExchange(self._layers, model, o.exchange, process_group)
+        self._exchange = VectorExchange(self._layers, model, o.exchange, process_group,
+                                        o.rank)
         # comm_overlap: launch the all-reduce when a backward has reached every captured layer
         self._progress = BackwardProgress(weak_schedule(self._launch_early)) if comm_overlap \
             else None
+        # rank k (KC7): group sums instead of the rank-1 sums; rank 1 runs the rank-1 code
+        stats = (_input_stat, _grad_stat) if o.rank == 1 else (
+            functools.partial(_group_input_stat, rank=o.rank),
+            functools.partial(_group_grad_stat, rank=o.rank))
         self._capture = Capture(
-            self._layers, weak_schedule(self.factor_update_due), _input_stat, _grad_stat,
+            self._layers, weak_schedule(self.factor_update_due), *stats,
             grad_hook=o.grad_hook, model=unwrap_model(model), mask_kwarg=o.token_mask,
             self_check=self_check, listener=self._progress)
         self._capture.register()
@@ -448,8 +483,11 @@ class MKOR(PreconditionedOptimizer):
         layer whose forwards had no rows has no a_bar and is left out (or, when its row
         count is a tensor, gets a_bar = 0)."""
         out = {}
+        by_name = {layer.name: layer for layer in self._layers}
         for name, (a_sum, rows, g) in self.pending_sums().items():
-            if isinstance(rows, torch.Tensor):
+            if self.options.rank > 1:  # the group means (KC7), k x d (0 for an empty group)
+                out[name] = group_vectors(a_sum, g, by_name[name].has_bias)[:2]
+            elif isinstance(rows, torch.Tensor):
                 out[name] = (_row_mean(a_sum, rows), g)
             elif rows > 0:
                 out[name] = (a_sum / rows, g)
@@ -474,7 +512,9 @@ class MKOR(PreconditionedOptimizer):
                     out.append((layer, None, None, False))
                     continue
                 a_sum, rows, g = pending[layer.name]
-                if isinstance(rows, torch.Tensor):  # masked or experts: no host sync
+                if self.options.rank > 1:  # (A, G, present, groups): KC7
+                    out.append((layer, *group_vectors(a_sum, g, layer.has_bias)))
+                elif isinstance(rows, torch.Tensor):  # masked or experts: no host sync
                     out.append((layer, _row_mean(a_sum, rows), g, rows > 0))
                 elif rows > 0:
                     out.append((layer, a_sum / rows, g, None))
@@ -489,10 +529,10 @@ class MKOR(PreconditionedOptimizer):
                 if not s or bool(((s["updates_a"] + s["updates_g"]) > 0).any())]
 
     def _update_factors(self):
-        for layer, a_bar, g_bar, present in self._vectors():
+        for layer, a_bar, g_bar, present, *groups in self._vectors():
             if self._owns(layer.name):  # the owner alone updates an owned layer's factors
                 update_layer_factors(self._state[layer.name], a_bar, g_bar, present,
-                                     self._factor_rule, self._workspace)
+                                     self._factor_rule, self._workspace, *groups)
 
     def _precondition_layer(self, layer):
         precondition_layer(layer, self._state[layer.name], self._precondition_rule,

@@ -37,6 +37,7 @@ tells when a backward pass has reached every captured layer; the all-reduce is l
 there, asynchronously, instead of in ``step()``.
 """
 from ..kronecker.exchange import Packet, world_size
+from .rank_k import group_vectors
 
 __all__ = ["VectorExchange", "BackwardProgress"]
 
@@ -45,31 +46,38 @@ class VectorExchange:
     """MKOR's communication: the packet of its layers (the sums behind a_bar and g_bar per
     layer, bias-free layers' row counts), the launch (at ``step()``, or from the backward
     pass with ``comm_overlap``) and the running byte count. ``options``: a
-    :class:`~.config.ExchangeOptions`."""
+    :class:`~.config.ExchangeOptions`; ``rank``: MKOR's rank k (k group sums per factor)."""
 
-    def __init__(self, layers, model, options, group=None):
+    def __init__(self, layers, model, options, group=None, rank=1):
         self.layers, self.model, self.group = list(layers), model, group
         # an ExchangeOptions: the compute dtype, the wire dtype, the averaging
         self.compute_dtype, self.average = options.compute_dtype, options.average
         comm_dtype = options.comm_dtype
+        self.rank = rank
         # a stack of experts sends its (E, .) sums and its (E,) row counts as a third
         # tensor (one count per expert; the appended count is then unused)
-        self.packet = Packet([[(l.d_in,), (l.d_out,)] if l.experts is None else
-                              [(l.experts, l.d_in), (l.experts, l.d_out), (l.experts,)]
-                              for l in self.layers],
-                             [l.has_bias and l.experts is None for l in self.layers],
-                             comm_dtype or self.compute_dtype, sums=True)
+        shapes = [[(l.d_in,), (l.d_out,)] if l.experts is None else
+                  [(l.experts, l.d_in), (l.experts, l.d_out), (l.experts,)]
+                  for l in self.layers]
+        carried = [l.has_bias and l.experts is None for l in self.layers]
+        if self.rank > 1:  # k group sums per factor, the group counts as a last input column
+            stack = lambda l: () if l.experts is None else (l.experts,)  # noqa: E731
+            shapes = [[(*stack(l), self.rank, l.d_in - l.has_bias + 1),
+                       (*stack(l), self.rank, l.d_out)] for l in self.layers]
+            carried = [False] * len(self.layers)
+        self.packet = Packet(shapes, carried, comm_dtype or self.compute_dtype, sums=True)
         self.communicated_bytes = 0
         self._inflight = None  # (Reduction, capture commits when it was launched)
 
     def _launch(self, pending, async_op):
         """``pending``: {name: (a_sum, rows, g_sum)}."""
         items = [None if l.name not in pending else
-                 [pending[l.name][0], pending[l.name][2]] if l.experts is None else
+                 [pending[l.name][0], pending[l.name][2]] if l.experts is None or self.rank > 1
+                 else
                  [pending[l.name][0], pending[l.name][2], pending[l.name][1]]
                  for l in self.layers]
-        counts = [pending[l.name][1] if l.name in pending and l.experts is None else 0
-                  for l in self.layers]
+        counts = [pending[l.name][1] if l.name in pending and l.experts is None
+                  and self.rank == 1 else 0 for l in self.layers]
         reduction = self.packet.all_reduce(items, self.layers[0].module.weight.device,
                                            self.group, async_op, counts)
         self.communicated_bytes += self.packet.nbytes
@@ -110,6 +118,9 @@ class VectorExchange:
         for layer, (sums, rows) in zip(self.layers, results):
             dev = layer.module.weight.device
             a_sum, g_sum = sums[:2]
+            if self.rank > 1:  # KC7's group means of the union (pooled by group index)
+                out.append(self._group_vectors(layer, a_sum, g_sum, world, divide, dev))
+                continue
             if layer.experts is not None:  # per expert: its own count
                 rows = sums[2]
                 a_bar = a_sum / rows.clamp(min=1).unsqueeze(-1)
@@ -119,6 +130,15 @@ class VectorExchange:
                 a_bar = a_bar / world
             out.append((layer, a_bar.to(dev), (g_sum / divide).to(dev), rows.to(dev) > 0))
         return out
+
+    def _group_vectors(self, layer, a_stat, g_sum, world, divide, dev):
+        """(layer, A, G, present, groups) of a rank-k layer: the union's group sums over the
+        union's group counts, G with the union's total (``divide`` = P, as DDP averages the
+        gradients; "double" divides A by P too, as for rank 1)."""
+        A, G, present, groups = group_vectors(a_stat, g_sum, layer.has_bias, divide)
+        if self.average == "double":
+            A = A / world
+        return layer, A.to(dev), G.to(dev), present.to(dev), groups.to(dev)
 
     def drop(self):
         """Finish and forget an unused early launch (``zero_grad`` without a step)."""

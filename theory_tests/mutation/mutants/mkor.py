@@ -17,6 +17,8 @@ T_LAYER_STATE = "torch_impl/mkor/layer_state.py"
 T_PRECONDITIONER = "torch_impl/mkor/preconditioner.py"
 T_VECTOR_EXCHANGE = "torch_impl/mkor/vector_exchange.py"
 T_VECTORS = "torch_impl/mkor/vectors.py"
+R_RANK_K = "reference/mkor/rank_k.py"
+T_RANK_K = "torch_impl/mkor/rank_k.py"
 
 _HOMES = "theory_tests/project/test_hyperparameter_homes.py::"
 
@@ -325,5 +327,70 @@ MUTANTS = {
         # the swap check inverted: the replaced parameters are never followed (MKOR)
         Mutant(T_PRECONDITIONER, "        if self._binding.moved():",
                "        if not self._binding.moved():"),
+    ],
+    "KC7": [
+        # the wrong group mean: a sum, or divided by k instead of the group's rows
+        Mutant(R_RANK_K, "        G.append((samples * g[members]).mean(axis=0))",
+               "        G.append((samples * g[members]).sum(axis=0))"),
+        Mutant(R_RANK_K, "        a_mean = a[members].mean(axis=0)",
+               "        a_mean = a[members].sum(axis=0) / rank"),
+        # a padded row counted in its group
+        Mutant(R_RANK_K, "        members = (index == j) & real", "        members = index == j"),
+        Mutant(T_RANK_K, "    safe = n.clamp(min=1).unsqueeze(-1)",
+               "    safe = torch.full_like(n, n.shape[-1]).unsqueeze(-1)"),
+        # R_g dropped: G the group mean of g, not of the per-sample gradients
+        Mutant(T_RANK_K, "    total = n.sum(dim=-1, keepdim=True).unsqueeze(-1)  # sum_j n_j",
+               "    total = 1"),
+        # the cut: the long groups one row too short
+        Mutant(T_RANK_K, "    long_rows = r * (q + 1)  # rows in the r long groups",
+               "    long_rows = r * q"),
+        # padded rows summed into their group
+        Mutant(T_RANK_K, "    kept = flat if keep is None else torch.where(keep.unsqueeze(-1), flat, 0)",
+               "    kept = flat"),
+        # an expert's padded pairs given places in its cut
+        Mutant(T_RANK_K, "        routed = experts if keep is None else torch.where(keep, experts, num_experts)",
+               "        routed = experts"),
+    ],
+    "KC8": [
+        # a Woodbury sign
+        Mutant(R_RANK_K, "    return symmetrise((J - Y @ (solve or _solve)(C, Y.T)) / stat_decay)",
+               "    return symmetrise((J + Y @ (solve or _solve)(C, Y.T)) / stat_decay)"),
+        Mutant(T_RANK_K, "        J_new.addmm_(Z.transpose(-1, -2), Z, alpha=-1.0)",
+               "        J_new.addmm_(Z.transpose(-1, -2), Z, alpha=1.0)"),
+        Mutant(T_RANK_K, "    J_new = J_new.baddbmm_(Z.transpose(-1, -2), Z, alpha=-1.0) if J.dim() == 3 else \\",
+               "    J_new = J_new.baddbmm_(Z.transpose(-1, -2), Z, alpha=1.0) if J.dim() == 3 else \\"),
+        # the rank-k weight 1/k dropped (paper: w = 1 - rho; released: weight 1)
+        Mutant(R_RANK_K, "    C = stat_decay * k / (1 - stat_decay) * np.eye(k, dtype=J.dtype) + V @ Y",
+               "    C = stat_decay / (1 - stat_decay) * np.eye(k, dtype=J.dtype) + V @ Y"),
+        Mutant(R_RANK_K, "    C = k * np.eye(k, dtype=J.dtype) + V @ Y", "    C = np.eye(k, dtype=J.dtype) + V @ Y"),
+        Mutant(T_RANK_K, "    return k * (stat_decay / (1 - stat_decay)) if variant == \"paper\" else k",
+               "    return (stat_decay / (1 - stat_decay)) if variant == \"paper\" else k"),
+        Mutant(T_RANK_K, "    return k * (stat_decay / (1 - stat_decay)) if variant == \"paper\" else k",
+               "    return k * (stat_decay / (1 - stat_decay)) if variant == \"paper\" else k ** 0"),
+        # k' ignored: an empty group counted in the weight
+        Mutant(T_RANK_K, "        return groups.to(V.dtype)", "        return V.new_full(V.shape[:-2], float(V.shape[-2]))"),
+        # a failed Cholesky's garbage used instead of refused
+        Mutant(T_RANK_K, "    return torch.where((info == 0)[..., None, None], Z, torch.nan)", "    return Z"),
+        # a deferred reset still applies the Woodbury term
+        Mutant(T_RANK_K, "        s = torch.where(flag, scalar(0.0), s)", "        s = s"),
+        # the stabiliser's blend skipped in the Woodbury step
+        Mutant(T_RANK_K, "    J_hat_V = _per(alpha, J, 2) * (V @ J) + _per(beta, J, 2) * V  # (\\hat J U)^T",
+               "    J_hat_V = V @ J"),
+    ],
+    "RANK-K-PORT": [
+        # a Conv2d's G in rows, not samples (the division by L lost)
+        Mutant(T_PRECONDITIONER, "    return (sums if per_sample == 1 else sums / per_sample), counts.sum(dim=-1)",
+               "    return sums, counts.sum(dim=-1)"),
+        # the group counts lost: every group's mean is its sum
+        Mutant(T_PRECONDITIONER, "    stat = torch.cat([sums, counts.unsqueeze(-1).to(sums.dtype)], dim=-1)",
+               "    stat = torch.cat([sums, torch.ones_like(counts).unsqueeze(-1).to(sums.dtype)], dim=-1)"),
+        # DDP: G not divided by the ranks (the gradients are averaged by DDP)
+        Mutant(T_VECTOR_EXCHANGE, "        A, G, present, groups = group_vectors(a_stat, g_sum, layer.has_bias, divide)",
+               "        A, G, present, groups = group_vectors(a_stat, g_sum, layer.has_bias)"),
+        # the rank-k layers packed as rank-1 ones (k x d read as d)
+        Mutant(T_VECTOR_EXCHANGE, "            if self.rank > 1:  # KC7's group means of the union (pooled by group index)",
+               "            if False:"),
+        # k' not passed on: empty groups weigh in
+        Mutant(T_LAYER_STATE, "            rank_k_factor_update, groups=groups)", "            rank_k_factor_update)"),
     ],
 }
