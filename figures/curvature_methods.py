@@ -6,16 +6,18 @@ Methods, per preconditioned layer, each a pair (G, A) whose kron(G, A) stands fo
 
 * **K-FAC** in each flavour, ``fisher_type`` ∈ {empirical, mc, type-2} × ``kfac_approx`` ∈
   {expand, reduce} (KC2–KC5), through :data:`KFAC_FACTORS`, a function with the signature of
-  the port's ``kfac_factors`` (issue 46 item 2). Today the NumPy oracle's formulas
-  (``reference/baselines/kfac_flavours.py``) on the rows of :mod:`figures.curvature_rows`;
-  once the port's ``kfac_factors`` is in main, the one line below switches to it.
+  the port's ``kfac_factors`` (issue 46 item 2): the figure draws the port's. The NumPy
+  oracle's formulas (``reference/baselines/kfac_flavours.py``) on the rows of
+  :mod:`figures.curvature_rows` (:func:`oracle_kfac_factors`) stay as the independent check
+  the figure's tests compare it with.
 * **MKOR rank k** (KC7): the R rows of the capture (sample order) cut into k contiguous groups
   (``torch.tensor_split``), ā_j the mean of [a_r | 1] and ḡ_j the mean of R_g·g_r over group j
   (g_r the rows of the training loss's gradient w.r.t. the layer output; R_g = R for a Linear,
   the batch size B for a Conv2d, as rank-1 MKOR's K3/K4), the statistic
-  (1/k) Σ_j ḡ_j ḡ_jᵀ ⊗ (1/k) Σ_j ā_j ā_jᵀ. k = 1 is MKOR's ḡḡᵀ ⊗ āāᵀ. PROVISIONAL: the group
-  means are computed here (:func:`provisional_group_means`) until helper C's
-  ``torch_impl/mkor/rank_k.py`` is in main; :data:`GROUP_MEANS` is the line to switch.
+  (1/k) Σ_j ḡ_j ḡ_jᵀ ⊗ (1/k) Σ_j ā_j ā_jᵀ. k = 1 is MKOR's ḡḡᵀ ⊗ āāᵀ. The groups are the
+  port's own cut (:func:`port_group_means`, over ``torch_impl.mkor.rank_k.group_row_sums``,
+  what ``MKOR(rank=k)`` runs); :func:`split_group_means` (``torch.tensor_split``) is the
+  independent check of it.
 * **best Kronecker** (KC9): the top singular pair of the Van Loan–Pitsianis rearrangement of
   the block itself, the Frobenius-closest G ⊗ A there is (the oracle's ``best_kronecker``).
 
@@ -43,9 +45,12 @@ from torch import nn
 from reference.baselines import kfac_flavours as oracle
 from theory_tests.support import curvature as truth  # helper A's brute force (KC1)
 
+from torch_impl import kfac_factors
+from torch_impl.mkor.rank_k import group_row_sums
+
 from .curvature_rows import Forward
 
-__all__ = ["FLAVOURS", "oracle_kfac_factors", "KFAC_FACTORS", "provisional_group_means",
+__all__ = ["FLAVOURS", "oracle_kfac_factors", "KFAC_FACTORS", "split_group_means", "port_group_means",
            "GROUP_MEANS", "mkor_rank_k_factors", "raw_distance", "scaled_distance",
            "layer_distances", "preconditioned_layers"]
 
@@ -87,18 +92,25 @@ def oracle_kfac_factors(model, loss_func, inputs, targets, *, fisher_type="type-
     return factors
 
 
-# The K-FAC factors the figure draws. Once helper D's port is in main this line becomes
-# ``KFAC_FACTORS = kfac_factors``, imported from the torch_impl package (same signature).
-KFAC_FACTORS = oracle_kfac_factors
+# The K-FAC factors the figure draws: the port's (the oracle's stay as the tests' check).
+KFAC_FACTORS = kfac_factors
 
 
-def provisional_group_means(rows, k):
-    """PROVISIONAL (until helper C's ``torch_impl/mkor/rank_k.py`` is in main): (k, d) means of
-    ``rows`` (R, d) over k contiguous groups of sizes as equal as possible (KC7)."""
+def split_group_means(rows, k):
+    """(k, d) means of ``rows`` (R, d) over k contiguous groups of sizes as equal as possible
+    (KC7, ``torch.tensor_split``): the figure's own statement of the cut, checked against the
+    port's."""
     return torch.stack([group.mean(0) for group in torch.tensor_split(rows, k)])
 
 
-GROUP_MEANS = provisional_group_means  # the line to switch to the port's group means
+def port_group_means(rows, k):
+    """(k, d) group means of ``rows`` (R, d, k <= R: no group is empty) by the port's cut,
+    ``torch_impl.mkor.rank_k.group_row_sums`` (KC7's additive form: sums / counts)."""
+    sums, counts = group_row_sums(rows, k)
+    return sums / counts.unsqueeze(-1).to(sums.dtype)
+
+
+GROUP_MEANS = port_group_means  # the statistic MKOR(rank=k) runs
 
 
 def mkor_rank_k_factors(fwd, loss, k):

@@ -157,3 +157,13 @@ def test_the_committed_outputs_say_the_same():
         assert methods["K-FAC type-2 expand"]["raw"] < 1e-12
     assert meta["summary"] and meta["summary"][0]["reference"] in {
         s.label for s in CD.CURVES}
+
+
+def test_the_ports_cut_is_the_figures_stated_cut():
+    """The group means the figure draws (the port's ``group_row_sums``, what MKOR(rank=k)
+    runs) are KC7's contiguous ``tensor_split`` groups, for sizes that divide and that do not
+    (a wrong cut, e.g. strided groups, or a mean over k, would differ)."""
+    rows = torch.randn(13, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for k in (1, 2, 4, 5, 13):
+        assert torch.allclose(M.port_group_means(rows, k), M.split_group_means(rows, k),
+                              rtol=0, atol=1e-15), k
