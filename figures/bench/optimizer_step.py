@@ -1,6 +1,6 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours]
+    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours|rank_k]
         [--repeats 9] [--device cpu] [--json PATH]
         [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
@@ -22,6 +22,8 @@
 * ``memory``: optimizer-state bytes and peak step temporaries per parameter, vs AdamW.
 * ``kfac_flavours``: K-FAC's "mc" / "type-2" training step over the empirical one on a tiny
   Llama (:mod:`figures.bench.kfac_flavours`).
+* ``rank_k``: MKOR's rank-k factor update (Woodbury, KC8) over the rank-1 one at d = 1024,
+  k = 1 ... 16 (:mod:`figures.bench.rank_k`).
 
 Runs are interleaved (every repeat times every contender once, in turn) and the median is
 reported with its ratio to the reference contender of the same table: absolute times are not
@@ -233,7 +235,7 @@ def _table(title, times, reference):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m figures.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["mars", "mars_m", "orthogonalisers", "mkor", "hf",
-                                           "memory", "kfac_flavours"])
+                                           "memory", "kfac_flavours", "rank_k"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=8,
@@ -327,6 +329,11 @@ def main(argv=None):
         print("\nK-FAC flavours, training step on a tiny Llama (factor_freq 1):")
         report["kfac_flavours_over_empirical"] = bench_kfac_flavours.main(
             ["--repeats", str(min(args.repeats, 5))])
+    if args.only in (None, "rank_k"):  # issue 46: rank-k factor update / rank-1, d = 1024
+        from figures.bench import rank_k as bench_rank_k
+        print("\nMKOR rank-k factor update over rank 1 (d = 1024):")
+        report["rank_k_over_rank_1"] = bench_rank_k.main(
+            ["--device", args.device, "--repeats", str(args.repeats)])
     emit_json(report, args.json)
 
 
