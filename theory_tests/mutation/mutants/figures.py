@@ -103,6 +103,9 @@ MUTANTS = {
         # the wrong group mean: a group's sum (its size times the mean)
         Mutant(F_CURV, "torch.stack([group.mean(0) for group in torch.tensor_split(rows, k)])",
                "torch.stack([group.sum(0) for group in torch.tensor_split(rows, k)])"),
+        # the port's group sums drawn as means: the figure's MKOR statistic off by the sizes
+        Mutant(F_CURV, "    return sums / counts.unsqueeze(-1).to(sums.dtype)",
+               "    return sums"),
         # a Linear's per-sample multiplier R_g taken as the samples, not the rows (K3)
         Mutant(F_CURV, "per_sample = fwd.a[name].shape[0] if isinstance(layer, nn.Conv2d) "
                        "else a.shape[0]",
