@@ -148,6 +148,69 @@ def _as_flag(flag, like):
     return torch.full((), bool(flag), dtype=torch.bool, device=like.device)
 
 
+class _Plan:
+    """The control flow one factor update shares with its rank-k twin
+    (:func:`~.rank_k.rank_k_factor_update`): the options (left None: the ``variant``'s
+    column, :data:`~.config.COLUMNS`) validated, the stabiliser's flag, \\hat J's coefficients
+    \\hat J = \\alpha J + \\beta I (the released blend included), and, given the update's affine
+    form J_t = A J + B I - w (...), the reset and first-update overrides of (A, B, w) and the
+    flag the update returns. Every condition is a ``torch.where`` on 0-d (or per-matrix)
+    tensors: no host sync."""
+
+    def __init__(self, J, variant, zeta, threshold, norm, stabilizer_timing, stabilizer_reset,
+                 first_update, reset_flag):
+        column = COLUMNS.get(variant)
+        if column is None:
+            raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
+        timing = stabilizer_timing or column["stabilizer_timing"]
+        reset = stabilizer_reset or column["stabilizer_reset"]
+        first_mode = first_update or column["first_update"]
+        if timing not in ("before_sm", "deferred"):
+            raise ValueError(f"stabilizer_timing must be 'before_sm' or 'deferred', got {timing!r}")
+        if reset not in ("blend", "identity"):
+            raise ValueError(f"stabilizer_reset must be 'blend' or 'identity', got {reset!r}")
+        if first_mode not in ("sm", "identity"):
+            raise ValueError(f"first_update must be 'sm' or 'identity', got {first_mode!r}")
+        scalar = lambda x: J.new_full((), x)  # noqa: E731  (a device-side fill, no copy)
+        alpha_r, beta_r = (zeta, 1.0 - zeta) if reset == "blend" else (0.0, 1.0)
+        flag = _as_flag(reset_flag, J)
+        fired = None
+        if timing == "before_sm":  # \hat J = reset(J) when the stabiliser fires, else J
+            fired = flag | needs_stabilising(J, threshold, norm)
+            alpha = torch.where(fired, scalar(alpha_r), scalar(1.0))
+            beta = torch.where(fired, scalar(beta_r), scalar(0.0))
+        else:
+            alpha, beta = scalar(1.0), scalar(0.0)
+        if variant == "released":  # K10's blend of the inverse, J' = 0.95 \hat J + 0.05 I
+            alpha, beta = RELEASED_BLEND * alpha, RELEASED_BLEND * beta + (1 - RELEASED_BLEND)
+        self.J, self.threshold, self.norm, self.scalar = J, threshold, norm, scalar
+        self.timing, self.first_mode, self.reset_to = timing, first_mode, (alpha_r, beta_r)
+        self.flag, self.fired, self.alpha, self.beta = flag, fired, alpha, beta
+        self.is_first = None
+
+    def coefficients(self, A, B, w, first):
+        """(A, B, w) of J_t = A J + B I - w (...) with a deferred reset (J_t = reset(J), the
+        update dropped) and the first update's identity (J_t = I) applied."""
+        scalar, (alpha_r, beta_r), flag = self.scalar, self.reset_to, self.flag
+        if self.timing == "deferred":  # a flagged factor is reset instead of updated
+            A = torch.where(flag, scalar(alpha_r), A)
+            B = torch.where(flag, scalar(beta_r), B)
+            w = torch.where(flag, scalar(0.0), w)
+        if self.first_mode == "identity":  # the first update sets J = I and drops v
+            self.is_first = is_first = _as_flag(first, self.J)
+            A = torch.where(is_first, scalar(0.0), A)
+            B = torch.where(is_first, scalar(1.0), B)
+            w = torch.where(is_first, scalar(0.0), w)
+        return A, B, w
+
+    def fired_after(self, J_new):
+        """The stabiliser flag the update returns: before the step ("before_sm") or of J_t
+        ("deferred"), never on the first update's identity."""
+        fired = (needs_stabilising(J_new, self.threshold, self.norm)
+                 if self.timing == "deferred" else self.fired)
+        return fired & ~self.is_first if self.first_mode == "identity" else fired
+
+
 def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry",
                   stabilizer_timing=None, stabilizer_reset=None, first_update=None,
                   first=False, reset_flag=False, out=None):
@@ -182,29 +245,9 @@ def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry
     shaped like J, not J).
     Mirrors ``reference.mkor.factors.factor_update``.
     """
-    column = COLUMNS.get(variant)
-    if column is None:
-        raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
-    timing = stabilizer_timing or column["stabilizer_timing"]
-    reset = stabilizer_reset or column["stabilizer_reset"]
-    first_mode = first_update or column["first_update"]
-    if timing not in ("before_sm", "deferred"):
-        raise ValueError(f"stabilizer_timing must be 'before_sm' or 'deferred', got {timing!r}")
-    if reset not in ("blend", "identity"):
-        raise ValueError(f"stabilizer_reset must be 'blend' or 'identity', got {reset!r}")
-    if first_mode not in ("sm", "identity"):
-        raise ValueError(f"first_update must be 'sm' or 'identity', got {first_mode!r}")
-    scalar = lambda x: J.new_full((), x)  # noqa: E731  (a device-side fill, no copy)
-    alpha_r, beta_r = (zeta, 1.0 - zeta) if reset == "blend" else (0.0, 1.0)
-    flag = _as_flag(reset_flag, J)
-    if timing == "before_sm":  # \hat J = reset(J) when the stabiliser fires, else J
-        fired = flag | needs_stabilising(J, threshold, norm)
-        alpha = torch.where(fired, scalar(alpha_r), scalar(1.0))
-        beta = torch.where(fired, scalar(beta_r), scalar(0.0))
-    else:
-        alpha, beta = scalar(1.0), scalar(0.0)
-    if variant == "released":  # K10's blend of the inverse, J' = 0.95 \hat J + 0.05 I
-        alpha, beta = RELEASED_BLEND * alpha, RELEASED_BLEND * beta + (1 - RELEASED_BLEND)
+    plan = _Plan(J, variant, zeta, threshold, norm, stabilizer_timing, stabilizer_reset,
+                 first_update, reset_flag)
+    alpha, beta, scalar = plan.alpha, plan.beta, plan.scalar
     u = _vec(alpha, J) * _mv(J, v) + _vec(beta, J) * v
     q = _dot(v, u)
     if variant == "paper":
@@ -212,16 +255,7 @@ def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry
         w = (1 - stat_decay) / (stat_decay * (stat_decay + (1 - stat_decay) * q))
     else:
         kappa, w = 1.0, 1.0 / (1 + q)
-    A, B = kappa * alpha, kappa * beta
-    if timing == "deferred":  # a flagged factor is reset instead of updated
-        A = torch.where(flag, scalar(alpha_r), A)
-        B = torch.where(flag, scalar(beta_r), B)
-        w = torch.where(flag, scalar(0.0), w)
-    if first_mode == "identity":  # the first update sets J = I and drops v
-        is_first = _as_flag(first, J)
-        A = torch.where(is_first, scalar(0.0), A)
-        B = torch.where(is_first, scalar(1.0), B)
-        w = torch.where(is_first, scalar(0.0), w)
+    A, B, w = plan.coefficients(kappa * alpha, kappa * beta, w, first)
     a = u * _vec(torch.sqrt(w), J)
     if J.dim() == 2:
         J_new = torch.mul(J, A, out=out).addr_(a, a, alpha=-1.0)
@@ -229,11 +263,7 @@ def factor_update(J, v, *, variant, stat_decay, zeta, threshold, norm="max_entry
         J_new = torch.mul(J, _mat(A, J), out=out).baddbmm_(
             a.unsqueeze(-1), a.unsqueeze(-2), alpha=-1.0)
     J_new.diagonal(dim1=-2, dim2=-1).add_(_vec(B, J))
-    if timing == "deferred":
-        fired = needs_stabilising(J_new, threshold, norm)
-    if first_mode == "identity":
-        fired = fired & ~is_first
-    return J_new, fired
+    return J_new, plan.fired_after(J_new)
 
 
 def precondition(L_inv, R_inv, grad_W, grad_b=None, work=None):

@@ -35,8 +35,7 @@ Batched over a leading stack dimension (fused experts): J (E, d, d), V (E, k, d)
 """
 import torch
 
-from .config import COLUMNS
-from .factors import RELEASED_BLEND, _as_flag, needs_stabilising
+from .factors import RELEASED_BLEND, _Plan
 
 __all__ = [
     "group_index", "group_row_sums", "vectors_from_group_sums", "group_vectors", "group_means",
@@ -210,44 +209,17 @@ def rank_k_factor_update(J, V, *, variant, stat_decay, zeta, threshold, norm="ma
     affine form J_t = A J + B I - s Z^T Z (module docstring), no host sync. ``groups``: k'
     (a number or a per-matrix tensor; default k). Returns ``(J_t, fired)``; J_t is written
     into ``out`` when given. Mirrors ``reference.mkor.rank_k.rank_k_factor_update``."""
-    column = COLUMNS.get(variant)
-    if column is None:
-        raise ValueError(f"variant must be 'paper' or 'released', got {variant!r}")
-    timing = stabilizer_timing or column["stabilizer_timing"]
-    reset = stabilizer_reset or column["stabilizer_reset"]
-    first_mode = first_update or column["first_update"]
-    scalar = lambda x: J.new_full((), x)  # noqa: E731  (a device-side fill, no copy)
-    alpha_r, beta_r = (zeta, 1.0 - zeta) if reset == "blend" else (0.0, 1.0)
-    flag = _as_flag(reset_flag, J)
-    if timing == "before_sm":
-        fired = flag | needs_stabilising(J, threshold, norm)
-        alpha = torch.where(fired, scalar(alpha_r), scalar(1.0))
-        beta = torch.where(fired, scalar(beta_r), scalar(0.0))
-    else:
-        alpha, beta = scalar(1.0), scalar(0.0)
-    if variant == "released":  # K10's blend of the inverse, J' = 0.95 \hat J + 0.05 I
-        alpha, beta = RELEASED_BLEND * alpha, RELEASED_BLEND * beta + (1 - RELEASED_BLEND)
+    plan = _Plan(J, variant, zeta, threshold, norm, stabilizer_timing, stabilizer_reset,
+                 first_update, reset_flag)
+    alpha, beta, scalar = plan.alpha, plan.beta, plan.scalar
     J_hat_V = _per(alpha, J, 2) * (V @ J) + _per(beta, J, 2) * V  # (\hat J U)^T
     Z = _woodbury_gram(J_hat_V, V, _c0(variant, stat_decay, _groups(V, groups)))
     kappa = 1.0 / stat_decay if variant == "paper" else 1.0
-    A, B, s = kappa * alpha, kappa * beta, scalar(kappa)
-    if timing == "deferred":  # a flagged factor is reset instead of updated
-        A = torch.where(flag, scalar(alpha_r), A)
-        B = torch.where(flag, scalar(beta_r), B)
-        s = torch.where(flag, scalar(0.0), s)
-    if first_mode == "identity":  # the first update sets J = I and drops V
-        is_first = _as_flag(first, J)
-        A = torch.where(is_first, scalar(0.0), A)
-        B = torch.where(is_first, scalar(1.0), B)
-        s = torch.where(is_first, scalar(0.0), s)
+    A, B, s = plan.coefficients(kappa * alpha, kappa * beta, scalar(kappa), first)
     # s = 0 (a reset, the first update) drops the Woodbury term, even a NaN one
     Z = torch.where(_per(s, J, 2) > 0, Z * _per(torch.sqrt(s), J, 2), 0)
     J_new = torch.mul(J, _per(A, J, 2), out=out)
     J_new = J_new.baddbmm_(Z.transpose(-1, -2), Z, alpha=-1.0) if J.dim() == 3 else \
         J_new.addmm_(Z.transpose(-1, -2), Z, alpha=-1.0)
     J_new.diagonal(dim1=-2, dim2=-1).add_(_per(B, J, 1))
-    if timing == "deferred":
-        fired = needs_stabilising(J_new, threshold, norm)
-    if first_mode == "identity":
-        fired = fired & ~is_first
-    return J_new, fired
+    return J_new, plan.fired_after(J_new)

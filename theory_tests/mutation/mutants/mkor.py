@@ -78,7 +78,8 @@ MUTANTS = {
     ],
     "K12": [
         Mutant(R_FACTORS, "        return np.eye(J.shape[0]), False", "        return J.copy(), False"),
-        Mutant(T_FACTORS, "        w = torch.where(flag, scalar(0.0), w)", "        w = torch.where(flag, scalar(1.0), w)",
+        Mutant(T_FACTORS, "            w = torch.where(flag, scalar(0.0), w)",
+               "            w = torch.where(flag, scalar(1.0), w)",
                tests=("theory_tests/mkor/test_differential.py::test_factor_update_matches_the_oracle_for_every_option",)),
     ],
     "K13": [
@@ -371,8 +372,9 @@ MUTANTS = {
         Mutant(T_RANK_K, "        return groups.to(V.dtype)", "        return V.new_full(V.shape[:-2], float(V.shape[-2]))"),
         # a failed Cholesky's garbage used instead of refused
         Mutant(T_RANK_K, "    return torch.where((info == 0)[..., None, None], Z, torch.nan)", "    return Z"),
-        # a deferred reset still applies the Woodbury term
-        Mutant(T_RANK_K, "        s = torch.where(flag, scalar(0.0), s)", "        s = s"),
+        # a deferred reset still applies the Woodbury term (the control flow rank k shares
+        # with rank 1: factors._Plan.coefficients)
+        Mutant(T_FACTORS, "            w = torch.where(flag, scalar(0.0), w)", "            w = w"),
         # the stabiliser's blend skipped in the Woodbury step
         Mutant(T_RANK_K, "    J_hat_V = _per(alpha, J, 2) * (V @ J) + _per(beta, J, 2) * V  # (\\hat J U)^T",
                "    J_hat_V = V @ J"),
