@@ -212,10 +212,12 @@ class Capture:
         if self.in_columns:  # K-FAC's curvature columns: G's rows, the pair waits
             self.columns.add(layer, g_stat)
             return
+        if self.columns is None:
+            self.statistics.add(layer, a_stat, g_stat)
+            return
         stale = self.statistics.stale(layer)  # what add() drops, the columns drop too
         self.statistics.add(layer, a_stat, g_stat)
-        if self.columns is not None:
-            self.columns.paired(layer, stale)
+        self.columns.paired(layer, stale)
 
     def record(self, layer, rows_of, tags_of, output, grad_rows):
         """One call of ``layer``: its input statistic now (an ordinary forward) or in the
