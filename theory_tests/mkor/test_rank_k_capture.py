@@ -258,3 +258,26 @@ def test_the_hybrid_switch_hands_over_as_for_rank_one():
             (mkor if m is model else o).step()
             o.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_a_real_bert_padding_never_reaches_a_rank_k_group():
+    """transformers' BertForMaskedLM on right-padded batches, MKOR(rank=3): two runs whose
+    batches differ only in the padded tokens end with bit-identical factors (every dense layer's
+    groups hold real rows only); the control, the same runs with the mask withheld from MKOR
+    (``token_mask=None``), differ, so the padded rows do reach the groups there."""
+    pytest.importorskip("transformers")
+    from theory_tests.support.hf_cases import equal_factors, factors_of, lm_batch, tiny_bert
+
+    def run(pad_seed, token_mask):
+        model = tiny_bert()
+        mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.05), inv_freq=1, rank=3,
+                    factor_dtype=f64, token_mask=token_mask)
+        for t in range(2):
+            batch = lm_batch(t, batch=2, seq=6, lengths=(6, 3), pad_seed=pad_seed)
+            model(**batch).loss.backward()
+            mkor.step()
+            mkor.zero_grad()
+        return factors_of(mkor)
+
+    assert equal_factors(run(1, "attention_mask"), run(2, "attention_mask"))
+    assert not equal_factors(run(1, None), run(2, None))
