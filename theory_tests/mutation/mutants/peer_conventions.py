@@ -6,6 +6,9 @@ from ..mutant import Mutant
 __all__ = ["MUTANTS"]
 
 S_PEER_CONVENTIONS = "theory_tests/support/peer_conventions.py"
+S_HEAVYBALL = "theory_tests/support/heavyball_conventions.py"
+T_MARS_EQUATIONS = "torch_impl/mars/mars_equations.py"
+T_FUNCTIONAL = "torch_impl/mars/functional.py"
 
 
 MUTANTS = {
@@ -29,5 +32,33 @@ MUTANTS = {
                '            group["eps"] = e["eps"] / math.sqrt(1.0 - e["beta2"] ** (t + 1))'),
         Mutant(S_PEER_CONVENTIONS, '                                beta2=float(h["betas_1d"][1])))',
                '                                beta2=float(h["betas"][1])))'),
+    ],
+    "PEER-HEAVYBALL": [
+        # the map: the paper's coefficient (our gamma = mars_gamma), the peer's formula
+        # unswapped, the clip kept, the shape routing kept, the float32 lr, the warmup, the
+        # eps dropped (0/0 where a gradient is always 0), the per-group step count
+        Mutant(S_HEAVYBALL, "    return heavyball_coefficient(gamma, beta1) * (1.0 - beta1) / beta1",
+               "    return gamma"),
+        Mutant(S_HEAVYBALL, "    return gamma * beta1 / (1.0 - gamma)",
+               "    return gamma * beta1 / (1.0 - beta1)"),
+        Mutant(S_HEAVYBALL, 'mars_type="mars-adamw", optimize_1d=True, clip_scope="none",',
+               'mars_type="mars-adamw", optimize_1d=True, clip_scope="tensor",'),
+        Mutant(S_HEAVYBALL, 'mars_type="mars-adamw", optimize_1d=True, clip_scope="none",',
+               'mars_type="mars-adamw", optimize_1d=False, clip_scope="none",'),
+        Mutant(S_HEAVYBALL, "    t = torch.tensor(step, dtype=torch.int64)",
+               "    t = torch.tensor(step, dtype=torch.float64)"),
+        Mutant(S_HEAVYBALL, "    return (lr * t / t.clamp(min=warmup_steps + 1)).item()",
+               "    return (lr * t / t.clamp(min=1)).item()"),
+        Mutant(S_HEAVYBALL, '                           eps=h["eps"], weight_decay=h["weight_decay"], gamma=gamma,',
+               '                           eps=0.0, weight_decay=h["weight_decay"], gamma=gamma,'),
+        Mutant(S_HEAVYBALL, "(p.grad is not None and stepped != t - 1)",
+               "(p.grad is not None and stepped != t)"),
+        # ours: clip_scope="none" clipping all the same (loop path); HeavyBall's coefficient
+        Mutant(T_FUNCTIONAL, '        if scope == "tensor":  # each matrix of a stack on its own\n'
+               "            mars_equations.clip_matrices_(c, matrix_batch_dims, SINGLE)",
+               '        if scope != "global":  # each matrix of a stack on its own\n'
+               "            mars_equations.clip_matrices_(c, matrix_batch_dims, SINGLE)"),
+        Mutant(T_MARS_EQUATIONS, "    return gamma * beta1 / (1.0 - beta1)",
+               "    return gamma * beta1 / (1.0 - gamma)"),
     ],
 }
