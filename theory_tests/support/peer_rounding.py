@@ -11,9 +11,10 @@ its own float32 twin: the same class on float32 parameters with float32 state, s
 values and given the same gradient, which computes the same float32 operations and writes them
 without rounding.
 
-Adapters (``HEAVYBALL_BF16``, ``HEAVYBALL_F32_PARAMS``, ``TORCHAO``, ``OURS``): ``build(p,
-narrow)`` (``narrow``: the 16-bit configuration; else the float32 twin), ``state(opt, p)``
-({"exp_avg": tensor, "exp_avg_sq": tensor}, the live buffers), ``step(opt)``.
+Adapters (``heavyball_adapter``, ``torchao_adapter``, ``ours_adapter``,
+``ours_as_heavyball_adapter``): ``build(p, narrow)`` (``narrow``: the 16-bit configuration;
+else the float32 twin), ``state(opt, p)`` ({"exp_avg": tensor, "exp_avg_sq": tensor}, the live
+buffers), ``step(opt)``.
 """
 import contextlib
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 from .rounding_law import classify
 
 __all__ = ["BETAS", "LR", "Adapter", "one_step", "heavyball_adapter", "torchao_adapter",
-           "ours_adapter", "eager_torch_compile"]
+           "ours_adapter", "ours_as_heavyball_adapter", "eager_torch_compile"]
 
 BETAS = (0.5, 0.75)
 LR = 2.0 ** -7   # about one bf16 spacing of a parameter in [1, 2): every step moves the rows
@@ -90,23 +91,45 @@ def torchao_adapter(compiled=False):
                    torch.bfloat16, step)
 
 
-def ours_adapter(rounding_seed=1234):
-    """``torch_impl.MARS`` with gamma = 0 (AdamW), no clip, bf16 state and parameters with
-    ``state_rounding="stochastic"``; the twin: float32 everything."""
+def ours_adapter(state_rounding="stochastic", param_dtype=torch.bfloat16):
+    """``torch_impl.MARS`` with gamma = 0 (AdamW), no clip, bf16 state with ``state_rounding``
+    on ``param_dtype`` parameters; the twin: float32 everything."""
     from torch_impl import MARS
 
     def build(p, narrow):
         kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, gamma=0.0,
                   mars_type="mars-adamw", optimize_1d=True, clip_scope="none")
         if narrow:
-            kw.update(state_dtype=torch.bfloat16, state_rounding="stochastic",
-                      rounding_seed=rounding_seed)
+            kw.update(state_dtype=torch.bfloat16, state_rounding=state_rounding)
         return MARS([p], **kw)
 
     def state(opt, p):
         return {k: opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
 
-    return Adapter("ours", build, state, False, torch.bfloat16)
+    return Adapter(f"ours ({state_rounding})", build, state, False, param_dtype)
+
+
+def ours_as_heavyball_adapter(param_dtype=torch.bfloat16, storage="bfloat16"):
+    """Ours built by the HeavyBall map (``from_heavyball_adamw``) from the keywords of
+    ``heavyball_adapter(param_dtype, storage)``: its storage branch, stepped with the map's
+    per-step edits."""
+    from .heavyball_conventions import from_heavyball_adamw
+
+    maps = {}
+
+    def build(p, narrow):
+        mapping = from_heavyball_adamw([("p", p)], lr=LR, betas=BETAS, eps=EPS,
+                                       weight_decay=WD,
+                                       storage_dtype=storage if narrow else "float32")
+        opt = mapping.build()
+        maps[id(opt)] = mapping
+        return opt
+
+    def state(opt, p):
+        return {k: opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
+
+    return Adapter(f"ours as heavyball ({param_dtype} parameters, {storage} storage)", build,
+                   state, False, param_dtype, lambda opt: maps[id(opt)].step(opt))
 
 
 def _values(cols, seed):
@@ -141,8 +164,11 @@ def _run(adapter, values, rows, narrow):
 
 def one_step(adapter, rows=4096, cols=64, seed=0):
     """{"exp_avg" | "exp_avg_sq" | "param": Law} of ``adapter``'s step 2 from the shared
-    starting state, each element's x from the float32 twin."""
+    starting state, each element's x from the float32 twin.  Deterministic: ``seed`` fixes
+    the values and torch's default generator (ours draws ``rounding_seed`` from it where it
+    is not given)."""
     values = _values(cols, seed)
+    torch.manual_seed(seed)  # the peers draw their bits from torch's default generator
     narrow = _run(adapter, values, rows, True)
     twin = _run(adapter, values, 1, False)
     return {k: classify(narrow[k], twin[k][0]) for k in narrow}
