@@ -57,6 +57,8 @@ ORACLE_ONLY = {
     # the quintic's coefficients as a function; the port inlines them in its loop.  Polar
     # Express's offline stage (Remez, the greedy schedule): the port holds its output table
     "common.matrix_functions": {"quintic", "optimal_quintic", "polar_express_coefficients"},
+    # LP4's per-value bound: what the tests hold the quantizer to, not a step of the optimizer
+    "common.blockwise": {"error_bound"},
 }
 TORCH_ONLY = {
     # the options' validation, the capture's additive reduce statistics (summed over calls and
