@@ -1,2 +1,1 @@
-"""Low-precision optimizer state (issue 47): stochastic rounding, Kahan-compensated
-parameters, 8-bit block-wise state, factors in 16 bits."""
+"""Low-precision optimizer state: stochastic rounding, Kahan-compensated parameters, 8-bit block-wise state, 16-bit Kronecker factors."""

@@ -57,6 +57,8 @@ ORACLE_ONLY = {
     # the quintic's coefficients as a function; the port inlines them in its loop.  Polar
     # Express's offline stage (Remez, the greedy schedule): the port holds its output table
     "common.matrix_functions": {"quintic", "optimal_quintic", "polar_express_coefficients"},
+    # the rule's parts, written out (the port computes them inside stochastic_round)
+    "common.rounding": {"neighbours", "largest_finite"},
     # LP4's per-value bound: what the tests hold the quantizer to, not a step of the optimizer
     "common.blockwise": {"error_bound"},
 }
@@ -76,6 +78,9 @@ TORCH_ONLY = {
                      "linear_grad_sum", "linear_input_sum", "row_sum", "expert_row_sum"},
     # rank k's group sums and their means, kept apart for the same reason (KC7, additive)
     "mkor.rank_k": {"group_row_sums", "vectors_from_group_sums", "group_vectors"},
+    # the random streams (LP2): the oracle takes its uniforms as given
+    "common.rounding": {"stochastic_round_with_uniform", "stream_seed", "name_word",
+                        "default_rounding_seed"},
 }
 
 # Port functions whose oracle has the same name in a module of reference/ that is not their

@@ -1,0 +1,35 @@
+"""Mutants of low-precision optimizer state (issue 47): the stochastic rounding rule and its
+streams (LP1, LP2), keyed by the ``paper_notes/claims.md`` row whose tests must kill them."""
+from ..mutant import Mutant
+
+__all__ = ["MUTANTS"]
+
+R_ROUND = "reference/common/rounding.py"
+T_ROUND = "torch_impl/common/rounding.py"
+
+MUTANTS = {
+    "LP1": [
+        # the oracle rounds toward zero's neighbour lo always (truncation, biased)
+        Mutant(R_ROUND, "return np.where(u < p_up, hi, lo)", "return np.where(u < 0, hi, lo)"),
+        # the oracle's probability of rounding up reversed: P(hi) = (hi - x)/(hi - lo)
+        Mutant(R_ROUND, "p_up = np.divide(np.asarray(x) - lo, gap,",
+               "p_up = np.divide(hi - np.asarray(x), gap,"),
+        # the port's rule rounds up with the complement probability
+        Mutant(T_ROUND, "up = u < (x - lo) / (hi - lo)", "up = u >= (x - lo) / (hi - lo)"),
+        # the bf16 bit path truncates: rounding toward zero instead of stochastic
+        Mutant(T_ROUND, "bits = (x.contiguous().view(torch.int32) + r).bitwise_and_(-65536)",
+               "bits = (x.contiguous().view(torch.int32) + 0 * r).bitwise_and_(-65536)"),
+        # the bit path adds 15 random bits: P(up) halved
+        Mutant(T_ROUND, "r = torch.randint(0, 1 << 16, x.shape,", "r = torch.randint(0, 1 << 15, x.shape,"),
+        # overflow rounds stochastically to the largest finite value (hides an overflow)
+        Mutant(T_ROUND, "keep = torch.isfinite(x) & (x.abs() <= torch.finfo(torch.bfloat16).max)",
+               "keep = torch.isfinite(x)"),
+    ],
+    "LP2": [
+        # every word after the first ignored: all tensors, buffers and steps share one stream
+        Mutant(T_ROUND, "        h = _splitmix64(h ^ (int(w) & _MASK64))",
+               "        h = h or _splitmix64(h ^ (int(w) & _MASK64))"),
+        # the seed not used: the generator's default stream for every write
+        Mutant(T_ROUND, "    g.manual_seed(seed)\n", "    g.manual_seed(0)\n"),
+    ],
+}
