@@ -168,3 +168,31 @@ def test_a_bad_factor_dtype_is_refused_by_name(value):
     model = _model()
     with pytest.raises(ValueError, match="^factor_dtype: expected"):
         KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), factor_dtype=value)
+
+
+def test_each_ema_write_is_the_float32_blend_rounded_once():
+    """The kept bf16 factor is, bit for bit, RN(beta F_hat_{t-1} + (1 - beta) F_new) with the
+    blend computed in float32 from the upcast stored factor (one rounding per write, the
+    premise of the bound above), F_new the batch factor from the captured float32 rows."""
+    model = _model()
+    kfac = KFAC(model, torch.optim.SGD(model.parameters(), lr=0.0), inv_freq=1,
+                factor_decay=BETA, factor_dtype=torch.bfloat16)
+    layer = model[0]
+    rows = {}
+    layer.register_forward_pre_hook(lambda m, inp: rows.__setitem__("a", inp[0].detach()))
+    layer.register_full_backward_hook(lambda m, gi, go: rows.__setitem__("g", go[0].detach()))
+    previous = None
+    for t in range(4):
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(32, 6, generator=g), torch.randn(32, 4, generator=g)
+        Fn.mse_loss(model(x), y).backward()
+        kfac.step()
+        kfac.zero_grad()
+        a = torch.cat([rows["a"], torch.ones(32, 1)], dim=1)
+        new = {"A": a.T @ a / 32, "G": rows["g"].T @ rows["g"] * (32 / 1)}
+        state = kfac._state["0"]
+        for key in ("A", "G"):
+            want = new[key] if previous is None else (
+                BETA * previous[key].float() + (1 - BETA) * new[key])
+            assert torch.equal(state[key], want.to(torch.bfloat16)), (t, key)
+        previous = {key: state[key].clone() for key in ("A", "G")}
