@@ -60,7 +60,7 @@ def heavyball_laws():
 
 def test_the_verdicts_tell_the_laws_apart():
     """The classifier on writes whose law is known: LP1 through the oracle, nearest, toward
-    zero, and LP1 with p shifted by 0.05."""
+    zero, LP1 with p shifted by 0.05, and shifted by +-0.1 in some columns only."""
     rng = np.random.default_rng(0)
     rows, x = 4096, torch.tensor(rng.uniform(-3, 3, 64), dtype=torch.float32)
     lo, hi = neighbours(x.double().numpy(), "bfloat16")
@@ -74,6 +74,14 @@ def test_the_verdicts_tell_the_laws_apart():
     p = (x.double().numpy() - lo) / (hi - lo)
     shifted = np.where(u < np.clip(p + 0.05, 0, 1), hi, lo)
     assert classify(as_bf16(shifted), x).verdict == "other"
+    # off by +-0.1 in 16 columns each, the shifts cancelling in the mean (the same x twice),
+    # right in the other 32: the per-column band alone tells it
+    x2 = torch.cat([x[:16], x[:16], x[32:]])
+    lo2, hi2 = neighbours(x2.double().numpy(), "bfloat16")
+    p2 = (x2.double().numpy() - lo2) / (hi2 - lo2)
+    p2 = np.clip(p2 + np.r_[np.full(16, 0.1), np.full(16, -0.1), np.zeros(32)], 0, 1)
+    law = classify(as_bf16(np.where(u < p2, hi2, lo2)), x2)
+    assert law.verdict == "other" and law.mean_z < Z
 
 
 @pytest.mark.parametrize("param_dtype, storage, expected", [
