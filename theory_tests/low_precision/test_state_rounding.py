@@ -355,6 +355,8 @@ def test_bad_options_are_refused_naming_them(name):
     for seed in (-1, 1.5, True, "0"):
         with pytest.raises(ValueError, match=r"^rounding_seed: expected None or an int"):
             make(_bf16(), state_rounding="stochastic", rounding_seed=seed)
+    with pytest.raises(ValueError, match=r"^kahan_sum: expected a bool"):
+        make(_bf16(), kahan_sum=1)
     make(_bf16(), state_rounding="stochastic", state_dtype=torch.float16)  # accepted
 
 

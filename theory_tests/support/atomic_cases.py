@@ -122,6 +122,7 @@ _STORAGE = {
     "state_rounding": _named("state_rounding", "sometimes") + [
         ({"state_rounding": "stochastic"}, r"^state_rounding: 'stochastic' rounds state")],
     "rounding_seed": _named("rounding_seed", -1, "seven"),
+    "kahan_sum": _named("kahan_sum", 1),
 }
 
 

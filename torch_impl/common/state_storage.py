@@ -1,12 +1,13 @@
 r"""How MARS, MARS-M and LAMB store their state and write a step back into it: ``state_dtype``,
-``state_rounding`` and ``rounding_seed`` (one implementation for the three).
+``state_rounding``, ``rounding_seed`` and ``kahan_sum`` (one implementation for the three).
 
 For a parameter p of dtype :math:`d_p` in a group with storage dtype
 :math:`d_s` = ``state_dtype`` (:math:`d_p` when ``None``), a step computes in
 
 .. math::
     d_c = \operatorname{promote}(d_p, d_s)
-          \ \big[\,\vee\ \text{float32 with } \texttt{state\_rounding="stochastic"}\,\big]
+          \ \big[\,\vee\ \text{float32 with } \texttt{state\_rounding="stochastic"}
+          \text{ or a 16-bit } p \text{ with } \texttt{kahan\_sum}\,\big]
 
 on working copies of every tensor stored narrower than :math:`d_c` (gradients are only
 read), and writes each copy w back into its stored tensor s once, after the update:
@@ -20,7 +21,10 @@ read), and writes each copy w back into its stored tensor s once, after the upda
   step t is the stream ``"g_prev"``, t.  Two tensors, buffers, steps or optimizers (whose
   ``rounding_seed`` is drawn by ``default_rounding_seed``) never share a stream, and a
   resumed run needs nothing beyond ``state_dict``.  A DTensor's local shard is rounded with
-  the rank's mesh coordinate as further words.
+  the rank's mesh coordinate as further words;
+* ``kahan_sum`` (LP3), a 16-bit parameter p with compensation c (``kahan_comp``, p's dtype):
+  the step starts from x = p + c in float32 and writes p <- RN(x), c <- RN(x - p), whatever
+  ``state_rounding`` says (float32 / float64 parameters lose nothing and keep no buffer).
 
 ``load_state_dict`` keeps ``state_dtype`` (torch casts every floating state tensor to the
 parameter's dtype): ``shield_state_dtype`` / ``unshield_state_dtype`` pass it by torch's cast.
@@ -30,18 +34,20 @@ import torch
 from .rounding import ROUNDING_DTYPES, default_rounding_seed, name_word, stochastic_round, \
     stream_seed
 from .sharding import is_dtensor
-from .validation import check_choice
+from .validation import check_bool, check_choice
 
-__all__ = ["ROUNDINGS", "STATE_DTYPES", "PARAM", "G_PREV", "check_storage",
-           "resolve_rounding_seed", "stored_dtype", "compute_dtype", "ensure_state", "WriteBack", "write_state", "shield_state_dtype",
+__all__ = ["ROUNDINGS", "STATE_DTYPES", "PARAM", "G_PREV", "KAHAN", "check_storage",
+           "resolve_rounding_seed", "stored_dtype", "compute_dtype", "kahan_applies",
+           "ensure_state", "WriteBack", "write_state", "shield_state_dtype",
            "unshield_state_dtype", "load_state_dict_keeping_storage"]
 
 ROUNDINGS = ("nearest", "stochastic")
 STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 PARAM = "param"      # the stream name of a 16-bit parameter's write
 G_PREV = "g_prev"    # the stream name of exact mode's refill of last_grad
+KAHAN = "kahan_comp"
 # state kept in the parameter's dtype, whatever state_dtype says (torch's load casts them so)
-PARAM_DTYPE_KEYS = ("step", "prev_param", "previous_grad")
+PARAM_DTYPE_KEYS = ("step", "prev_param", "previous_grad", KAHAN)
 
 
 # ------------------------------------------------------------------ options
@@ -59,6 +65,7 @@ def check_storage(group):
     seed = group["rounding_seed"]
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"rounding_seed: expected None or an int >= 0, got {seed!r}")
+    check_bool("kahan_sum", group["kahan_sum"])
     if group["state_rounding"] == "stochastic":
         for p in group["params"]:
             _check_roundable(p, stored_dtype(p, group))
@@ -94,10 +101,15 @@ def stored_dtype(p, group):
     return group["state_dtype"] or p.dtype
 
 
+def kahan_applies(p, group):
+    """Whether p carries a Kahan compensation: ``kahan_sum`` and p bf16 / fp16."""
+    return group["kahan_sum"] and p.dtype in ROUNDING_DTYPES
+
+
 def compute_dtype(p, group):
     """d_c: the dtype p's step computes in (module docstring)."""
     dtype = torch.promote_types(p.dtype, stored_dtype(p, group))
-    if group["state_rounding"] == "stochastic":
+    if group["state_rounding"] == "stochastic" or kahan_applies(p, group):
         dtype = torch.promote_types(dtype, torch.float32)
     return dtype
 
@@ -105,13 +117,19 @@ def compute_dtype(p, group):
 def ensure_state(st, p, group, names):
     """``st[name]`` for each of ``names``: zeros like p in the group's storage dtype where it is
     missing (a buffer a later option needs appears then), cast where the group's
-    ``state_dtype`` changed since."""
+    ``state_dtype`` changed since; and p's ``kahan_comp`` created (zeros) or dropped as
+    ``kahan_sum`` says."""
     dtype = stored_dtype(p, group)
     for name in names:
         if name not in st:
             st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif st[name].dtype != dtype:  # the group's state_dtype changed since (or a state
             st[name] = st[name].to(dtype)  # set by hand): it holds from now on
+    if kahan_applies(p, group):
+        if KAHAN not in st:
+            st[KAHAN] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    else:
+        st.pop(KAHAN, None)
 
 
 # ------------------------------------------------------------------ the write-back
@@ -127,12 +145,25 @@ class WriteBack:
 
     def __init__(self, group, group_index):
         self.group, self.group_index = group, group_index
-        self.records = []  # (stored, working, name, p, state)
+        self.records = []  # (stored, working, name, p, state, compensation or None)
         self._positions = None
 
     def params(self, params, states):
-        """The parameters in their compute dtypes (a copy where it is wider)."""
-        return self.column(PARAM, params, params, states)
+        """The parameters in their compute dtypes: x = p + c with Kahan, else p (a copy when
+        the compute dtype is wider)."""
+        out = []
+        for p, st in zip(params, states):
+            dtype = compute_dtype(p, self.group)
+            comp = st.get(KAHAN) if kahan_applies(p, self.group) else None
+            if p.dtype == dtype:
+                out.append(p)
+                continue
+            x = p.to(dtype)
+            if comp is not None:
+                x.add_(comp)  # LP3: the lost low bits back
+            self.records.append((p, x, PARAM, p, st, comp))
+            out.append(x)
+        return out
 
     def column(self, name, tensors, params, states):
         """The state column ``name`` (``None`` where a route keeps no such buffer) in the
@@ -142,7 +173,7 @@ class WriteBack:
             dtype = compute_dtype(p, self.group)
             if t is not None and t.dtype != dtype:
                 copy = t.to(dtype)
-                self.records.append((t, copy, name, p, st))
+                self.records.append((t, copy, name, p, st, None))
                 t = copy
             out.append(t)
         return out
@@ -164,15 +195,21 @@ class WriteBack:
             _round_back(self.records, self.group["rounding_seed"], self.group_index,
                         [self.position(r[3]) for r in self.records])
             return
-        for stored, working, _, _, _ in self.records:
-            stored.copy_(working)
+        for stored, working, _, _, _, comp in self.records:
+            _nearest_back(stored, working, comp)
+
+
+def _nearest_back(stored, working, comp):
+    stored.copy_(working)
+    if comp is not None:  # LP3: what RN(x) lost, itself rounded to the parameter's dtype
+        comp.copy_(working.sub(stored))
 
 
 @torch._dynamo.disable
 def _round_back(records, seed, group_index, positions):
-    for (stored, working, name, _, st), position in zip(records, positions):
-        if stored.dtype not in ROUNDING_DTYPES:
-            stored.copy_(working)
+    for (stored, working, name, _, st, comp), position in zip(records, positions):
+        if comp is not None or stored.dtype not in ROUNDING_DTYPES:
+            _nearest_back(stored, working, comp)  # Kahan's parameter write is nearest
             continue
         words = (seed, group_index, position, name_word(name), int(st["step"]))
         _stochastic_write(stored, working, words)
@@ -215,7 +252,8 @@ class _Shielded:
 
 def _keeps_state_dtype(key, value):
     """A state entry stored in ``state_dtype``: not ``step`` (a CPU counter), ``prev_param``
-    (x_{t-1}) or ``previous_grad`` (a copy of ``.grad``)."""
+    (x_{t-1}), ``previous_grad`` (a copy of ``.grad``) or ``kahan_comp`` (the parameter's
+    dtype)."""
     return key not in PARAM_DTYPE_KEYS and torch.is_tensor(value) and value.is_floating_point()
 
 

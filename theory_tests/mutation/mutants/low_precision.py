@@ -41,6 +41,33 @@ MUTANTS = {
         # the seed not used: the generator's default stream for every write
         Mutant(T_ROUND, "    g.manual_seed(seed)\n", "    g.manual_seed(0)\n"),
     ],
+    "LP3": [
+        # the compensation not added back: x = p, c is written but never read
+        Mutant(T_STORAGE, "                x.add_(comp)  # LP3: the lost low bits back",
+               "                pass  # LP3: the lost low bits back"),
+        # the compensation not updated: it stays 0 (plain round-to-nearest parameters)
+        Mutant(T_STORAGE, "        comp.copy_(working.sub(stored))", "        comp.zero_()"),
+        # c' = RN(x - p) with the old p (before the write): the wrong residual
+        Mutant(T_STORAGE, "    stored.copy_(working)\n    if comp is not None:  # LP3: what RN(x) lost, itself rounded to the parameter's dtype\n        comp.copy_(working.sub(stored))",
+               "    if comp is not None:  # LP3: what RN(x) lost, itself rounded to the parameter's dtype\n        comp.copy_(working.sub(stored))\n    stored.copy_(working)"),
+        # with stochastic rounding on, the Kahan parameter is written stochastically (and its
+        # compensation never updated)
+        Mutant(T_STORAGE, "        if comp is not None or stored.dtype not in ROUNDING_DTYPES:",
+               "        if stored.dtype not in ROUNDING_DTYPES:"),
+    ],
+    "KAHAN-PORT": [
+        # float32 parameters given a compensation buffer (memory for nothing)
+        Mutant(T_STORAGE, '    return group["kahan_sum"] and p.dtype in ROUNDING_DTYPES',
+               '    return group["kahan_sum"]'),
+        # the step of a Kahan parameter not widened: bf16 arithmetic, no compensation at all
+        Mutant(T_STORAGE, '    if group["state_rounding"] == "stochastic" or kahan_applies(p, group):',
+               '    if group["state_rounding"] == "stochastic":'),
+        # the buffer kept when kahan_sum is turned off
+        Mutant(T_STORAGE, "        st.pop(KAHAN, None)", "        pass"),
+        # init_state (and the step) never create the buffer: Kahan silently off
+        Mutant(T_STORAGE, "            st[KAHAN] = torch.zeros_like(p, memory_format=torch.preserve_format)",
+               "            pass"),
+    ],
     "STATE-ROUNDING-PORT": [
         # the write-back rounds toward zero (truncates the float32 bits) instead of by LP1
         Mutant(T_STORAGE, "    stored.copy_(stochastic_round(working, stored.dtype, stream_seed(*words)))",
@@ -54,8 +81,8 @@ MUTANTS = {
         # the buffer's name dropped: m, v and last_grad of a tensor share a stream
         Mutant(T_STORAGE, _WORDS, _WORDS.replace("name_word(name)", 'name_word("")')),
         # a 16-bit parameter written to nearest under stochastic rounding
-        Mutant(T_STORAGE, "        if stored.dtype not in ROUNDING_DTYPES:\n",
-               "        if stored.dtype not in ROUNDING_DTYPES or name == PARAM:\n"),
+        Mutant(T_STORAGE, "        if comp is not None or stored.dtype not in ROUNDING_DTYPES:",
+               "        if comp is not None or stored.dtype not in ROUNDING_DTYPES or name == PARAM:"),
         # the step computes in the narrow dtype (bf16 parameters with bf16 state)
         Mutant(T_STORAGE, "        dtype = torch.promote_types(dtype, torch.float32)", "        dtype = dtype"),
         # every optimizer takes the same default stream
