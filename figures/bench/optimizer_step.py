@@ -1,7 +1,7 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
     python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours|rank_k
-                             |state_memory]
+                             |factor_precision|state_memory]
         [--repeats 9] [--device cpu] [--json PATH]
         [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
@@ -25,6 +25,9 @@
   Llama (:mod:`figures.bench.kfac_flavours`).
 * ``rank_k``: MKOR's rank-k factor update (Woodbury, KC8) over the rank-1 one at d = 1024,
   k = 1 ... 16 (:mod:`figures.bench.rank_k`).
+* ``factor_precision``: MKOR's inverse factors in float32, bf16 round-to-nearest and bf16
+  stochastic rounding against the float64 oracle, d = 64, 300 factor updates (LP5; not a
+  timing: errors, stabiliser firings and the bound; :mod:`figures.bench.factor_precision`).
 * ``state_memory``: optimizer-state bytes per parameter (measured from ``state_dict()`` and
   checked against the closed forms) and step time over torch's AdamW (foreach), for every
   optimizer and option, on three model sizes (:mod:`figures.bench.state_memory`).
@@ -239,7 +242,8 @@ def _table(title, times, reference):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m figures.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["mars", "mars_m", "orthogonalisers", "mkor", "hf",
-                                           "memory", "kfac_flavours", "rank_k", "state_memory"])
+                                           "memory", "kfac_flavours", "rank_k",
+                                           "factor_precision", "state_memory"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=8,
@@ -338,6 +342,12 @@ def main(argv=None):
         print("\nMKOR rank-k factor update over rank 1 (d = 1024):")
         report["rank_k_over_rank_1"] = bench_rank_k.main(
             ["--device", args.device, "--repeats", str(args.repeats)])
+    if args.only in (None, "factor_precision"):  # issue 47: MKOR's factors in bf16 (LP5)
+        from figures.bench import factor_precision as bench_factor_precision
+        print("\nMKOR inverse factors in float32 / bf16 nearest / bf16 stochastic against "
+              "the float64 oracle:")
+        report["factor_precision"] = bench_factor_precision.main(
+            ["--dims", "64", "--steps", "300"])
     if args.only in (None, "state_memory"):  # issue 47: bytes per parameter, step / AdamW
         from figures.bench import state_memory as bench_state_memory
         print("\nOptimizer state: bytes per parameter and step time over AdamW (foreach):")
