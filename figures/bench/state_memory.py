@@ -32,6 +32,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -174,7 +175,7 @@ def _memory(contender):
 
 def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
     """{row name: {memory..., "seconds", "adamw_seconds", "ratio"}} on one model size."""
-    reference, results = rows[0], {}
+    baseline, results = rows[0], {}
     timed = [r for r in rows[1:] if not r.closure]
     for r in rows[1:]:
         if r.closure:  # memory only: two steps through the closure
@@ -183,7 +184,7 @@ def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
             results[r.name] = {**_memory(c), "seconds": None, "ratio": None}
             c.close()
     for start in range(0, max(len(timed), 1), group - 1):
-        chunk = [reference] + timed[start:start + group - 1]
+        chunk = [baseline] + timed[start:start + group - 1]
         contenders = [Contender(r, make, device, ns_dtype) for r in chunk]
         times = {c.row.name: [] for c in contenders}
         for c in contenders:  # warm-up: state creation, the first factor update
@@ -191,19 +192,21 @@ def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
         for _ in range(repeats):
             for c in contenders:
                 times[c.row.name].append(_round(c, device))
-        ref = statistics.median(times[reference.name])
+        ref = statistics.median(times[baseline.name])
+        print(f"  timed: {', '.join(c.row.name for c in contenders[1:])}", file=sys.stderr,
+              flush=True)
         for c in contenders:
             t = statistics.median(times[c.row.name])
             entry = {**_memory(c), "seconds": t, "adamw_seconds": ref, "ratio": t / ref}
-            if c.row is reference:
-                results.setdefault(reference.name, {**entry, "runs": []})["runs"].append(t)
+            if c.row is baseline:
+                results.setdefault(baseline.name, {**entry, "runs": []})["runs"].append(t)
             else:
                 results[c.row.name] = entry
             c.close()
         del contenders
-    if reference.name in results:  # AdamW's time: the median over its groups
-        results[reference.name]["seconds"] = statistics.median(results[reference.name]["runs"])
-        results[reference.name]["ratio"] = 1.0
+    if baseline.name in results:  # AdamW's time: the median over its groups
+        results[baseline.name]["seconds"] = statistics.median(results[baseline.name]["runs"])
+        results[baseline.name]["ratio"] = 1.0
     return {r.name: results[r.name] for r in rows if r.name in results}
 
 
@@ -223,6 +226,7 @@ def run(sizes, repeats, device, ns_dtype, rows=None):
         label, make = SIZES[name]
         model = make()[0]
         start = time.perf_counter()
+        print(f"{label}: {len(available)} rows", file=sys.stderr, flush=True)
         results = run_size(available, make, repeats, device, ns_dtype)
         report["sizes"][name] = {"label": label, "params": sum(p.numel() for p in model.parameters()),
                                  "seconds_to_run": time.perf_counter() - start, "rows": results}
