@@ -187,8 +187,9 @@ def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
         chunk = [baseline] + timed[start:start + group - 1]
         contenders = [Contender(r, make, device, ns_dtype) for r in chunk]
         times = {c.row.name: [] for c in contenders}
-        for c in contenders:  # warm-up: state creation, the first factor update
-            _round(c, device)
+        for c in contenders:  # warm-up: state creation, the first factor update (any
+            c.prepare()       # INV_FREQ consecutive steps after it hold one more)
+            c.step()
         for _ in range(repeats):
             for c in contenders:
                 times[c.row.name].append(_round(c, device))
