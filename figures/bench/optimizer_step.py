@@ -1,6 +1,7 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours|rank_k|factor_precision]
+    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours|rank_k
+                             |factor_precision|state_memory]
         [--repeats 9] [--device cpu] [--json PATH]
         [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
@@ -27,6 +28,9 @@
 * ``factor_precision``: MKOR's inverse factors in float32, bf16 round-to-nearest and bf16
   stochastic rounding against the float64 oracle, d = 64, 300 factor updates (LP5; not a
   timing: errors, stabiliser firings and the bound; :mod:`figures.bench.factor_precision`).
+* ``state_memory``: optimizer-state bytes per parameter (measured from ``state_dict()`` and
+  checked against the closed forms) and step time over torch's AdamW (foreach), for every
+  optimizer and option, on three model sizes (:mod:`figures.bench.state_memory`).
 
 Runs are interleaved (every repeat times every contender once, in turn) and the median is
 reported with its ratio to the reference contender of the same table: absolute times are not
@@ -239,7 +243,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m figures.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["mars", "mars_m", "orthogonalisers", "mkor", "hf",
                                            "memory", "kfac_flavours", "rank_k",
-                                           "factor_precision"])
+                                           "factor_precision", "state_memory"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=8,
@@ -344,6 +348,11 @@ def main(argv=None):
               "the float64 oracle:")
         report["factor_precision"] = bench_factor_precision.main(
             ["--dims", "64", "--steps", "300"])
+    if args.only in (None, "state_memory"):  # issue 47: bytes per parameter, step / AdamW
+        from figures.bench import state_memory as bench_state_memory
+        print("\nOptimizer state: bytes per parameter and step time over AdamW (foreach):")
+        report["state_memory"] = bench_state_memory.main(
+            ["--device", args.device, "--repeats", str(min(args.repeats, 5))])
     emit_json(report, args.json)
 
 

@@ -15,6 +15,8 @@ F_PROGRESS = "figures/progress.py"
 F_SUMMARY = "figures/summary.py"
 F_HARNESS = "theory_tests/mutation/harness.py"
 F_CURV = "figures/curvature_methods.py"
+F_STATE_CF = "figures/bench/state_closed_form.py"
+F_STATE = "figures/bench/state_memory.py"
 PYPROJECT = "pyproject.toml"
 
 
@@ -117,6 +119,41 @@ MUTANTS = {
         Mutant(F_CURV, "VANISHED = 1e-20\n", "VANISHED = 0.0\n"),
         # the training hook never called: mc / type-2 K-FAC would have no columns
         Mutant(F_COMMON, "            before_backward(opt, output, y)\n", "            pass\n"),
+    ],
+    "MEMORY-TABLE": [
+        # MARS-AdamW's closed form one buffer short: the last gradient forgotten
+        Mutant(F_STATE_CF, '(("exp_avg", "exp_avg_sq", "last_grad") if mars_type == "mars-adamw"',
+               '(("exp_avg", "exp_avg_sq") if mars_type == "mars-adamw"'),
+        # MARS-M's efficient variant counted with the last gradient it does not keep
+        Mutant(F_STATE_CF, 'return ("momentum_buffer",) if efficient else',
+               'return ("momentum_buffer", "last_grad") if efficient else'),
+        # exact mode's x_{t-1} counted in state_dtype instead of the parameter's dtype
+        Mutant(F_STATE_CF, 'counts["prev_param"] += sum(p.numel() * item_size(p.dtype) for p in params_)',
+               'counts["prev_param"] += sum(p.numel() * item_size(options.get("state_dtype") or p.dtype) for p in params_)'),
+        # the last block's scale dropped when it is not full
+        Mutant(F_STATE_CF, "4 * math.ceil(n / block_size)", "4 * (n // block_size)"),
+        # the last gradient quantized too
+        Mutant(F_STATE_CF, '"max_exp_avg_sq", "momentum_buffer")',
+               '"max_exp_avg_sq", "momentum_buffer", "last_grad")'),
+        # a Kahan buffer on every parameter, float32 ones included
+        Mutant(F_STATE_CF, 'if options.get("kahan_sum") and item_size(p.dtype) == 2:',
+               'if options.get("kahan_sum"):'),
+        # MKOR's R^-1 without the bias column
+        Mutant(F_STATE_CF, "module.in_features + (module.bias is not None)",
+               "module.in_features"),
+        # K-FAC's decompositions counted in the factor dtype, not float32
+        Mutant(F_STATE_CF, "size, f32 = item_size(factor_dtype), item_size(torch.float32)",
+               "size, f32 = item_size(factor_dtype), item_size(factor_dtype)"),
+        # K-FAC's eigenvalues forgotten
+        Mutant(F_STATE_CF, 'own[f"eig_{side}[0]"] = sum(dims) * f32',
+               'own[f"eig_{side}[0]"] = 0'),
+        # the measurement counts the 0-d step counters with the state
+        Mutant(F_STATE, "            if value.ndim == 0:\n", "            if False:\n"),
+        # a measured count that differs from its closed form no longer marked
+        Mutant(F_STATE, """mark = "" if e["matches"] else""", """mark = "" if True else"""),
+        # the ratio over AdamW of the first group for every group
+        Mutant(F_STATE, '"adamw_seconds": ref, "ratio": t / ref}',
+               '"adamw_seconds": ref, "ratio": t}'),
     ],
     "FIG-ENVIRONMENT": [
         # transformers unpinned: a newer one changes the BERT figures' last bits
