@@ -1,0 +1,116 @@
+"""Figure ``low_precision`` (issue 47 item 6): MARS-AdamW's final loss with its state in
+float32, bf16 (nearest, stochastic) and 8-bit codes, against the seed noise (claims row
+FIG-LOW-PRECISION).
+
+* the stall the figure's setting is chosen for (its docstring): with a constant gradient and
+  β₂ = 0.999, bf16 round-to-nearest freezes MARS's second moment near a third of its target
+  while float32's keeps moving; at β₂ = 0.99 nearest gets within a few per cent of it;
+* the statistics: the sign of each effect (variant − float32), the paired t interval with
+  scipy's quantile, the verdict and the seed noise it is read against;
+* the 8-bit variant's groups: the tensors smaller than a block in a float32 group;
+* the committed outputs: their effects are the ones their finals give.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import t as student_t
+
+from figures import common as C
+from figures import registry
+from figures.experiments import low_precision as LP
+
+
+def _second_moment(beta2, state_dtype, steps):
+    """MARS-AdamW on one 16 x 16 tensor whose gradient is the same every step (norm 0.2, so
+    MARS's clip at norm 1 leaves it alone): its stored ``exp_avg_sq`` over g² (float64),
+    which float32 arithmetic takes to 1 − β₂ᵗ."""
+    g = torch.linspace(0.5, 2.0, 16 * 16).reshape(16, 16) / 100
+    p = torch.nn.Parameter(torch.zeros(16, 16))
+    spec = LP._mars("x", ("betas", (0.95, beta2)),
+                    *((("state_dtype", state_dtype),) if state_dtype else ()))
+    stepper = registry.build(spec, torch.nn.ParameterList([p]), lr=1e-3)  # p never read
+    for _ in range(steps):
+        p.grad = g.clone()
+        stepper.step(None)
+    v = stepper.optimizers[0].state[p]["exp_avg_sq"]
+    return (v.double() / g.double() ** 2).flatten()
+
+
+def test_bf16_nearest_freezes_the_second_moment_at_beta2_0999():
+    """The figure's reason for β₂ = 0.999: a constant gradient, 600 steps. float32's v/g² is
+    1 − 0.999⁶⁰⁰ = 0.451 (to float32 rounding), plus the first step's correction
+    (c₁ = (1 + a) g with g_prev = 0, a = γβ₁/(1 − β₁)) decayed since; bf16 to nearest stops where an update is
+    under half an ulp, (1 − β₂)(g²/v − 1) < 2⁻⁹..2⁻⁸, i.e. v/g² in [0.2, 0.34], and stays
+    there; at β₂ = 0.99 the same rule stops within a few per cent of the target."""
+    a = 0.025 * 0.95 / 0.05
+    exact = 1 - 0.999 ** 600 + 0.001 * 0.999 ** 599 * ((1 + a) ** 2 - 1)
+    f32 = _second_moment(0.999, None, 600)
+    assert torch.allclose(f32, torch.full_like(f32, exact), rtol=1e-4)
+    near = _second_moment(0.999, "bfloat16", 600)
+    assert 0.2 <= float(near.min()) and float(near.max()) <= 0.34, (near.min(), near.max())
+    frozen = _second_moment(0.999, "bfloat16", 800)
+    assert torch.equal(near, frozen)  # 200 more steps moved no entry
+    fast = _second_moment(0.99, "bfloat16", 600)  # 1 − 0.99⁶⁰⁰ = 1 − 2e-3
+    assert float(fast.min()) > 0.7 and float(fast.max()) <= 1.0
+
+
+def test_each_effect_is_the_variant_minus_float32_with_its_paired_interval():
+    finals = {"task": {LP.REFERENCE: [2.0, 2.1, 1.9, 2.05, 1.95],
+                       "worse": [2.10, 2.22, 1.99, 2.16, 2.05],
+                       "noisy": [2.05, 2.0, 1.95, 2.1, 1.9]}}
+    table = {r["variant"]: r for r in LP.effect_table(finals, [0, 1, 2, 3, 4])}
+    assert set(table) == {"worse", "noisy"}
+    d = np.array(finals["task"]["worse"]) - np.array(finals["task"][LP.REFERENCE])
+    se = d.std(ddof=1) / math.sqrt(5)
+    crit = student_t.ppf(0.975, 4)
+    worse = table["worse"]
+    assert worse["diff"] == pytest.approx(d.mean()) and worse["diff"] > 0  # > 0: worse
+    assert worse["se"] == pytest.approx(se)
+    assert (worse["lo"], worse["hi"]) == pytest.approx((d.mean() - crit * se, d.mean() + crit * se))
+    assert worse["verdict"] == "worse" and worse["lo"] > 0
+    assert table["noisy"]["verdict"] == "within noise"
+    ref_sd = np.std(finals["task"][LP.REFERENCE], ddof=1)
+    assert worse["reference_sd"] == pytest.approx(ref_sd)
+    assert worse["reference_se"] == pytest.approx(ref_sd / math.sqrt(5))
+    assert worse["within_seed_sd"] is False and table["noisy"]["within_seed_sd"] is True
+    better = LP.effect_table({"t": {LP.REFERENCE: [2.0, 2.1, 1.9],
+                                    "b": [1.9, 2.01, 1.79]}}, [0, 1, 2])[0]
+    assert better["verdict"] == "better" and better["hi"] < 0
+
+
+def test_quantized_state_keeps_the_small_tensors_in_a_float32_group():
+    """MARS refuses to quantize a tensor smaller than a block: the figure's 8-bit variant puts
+    those in a second group with float32 state; the others stay in the first."""
+    big, small = torch.zeros(16, 16), torch.zeros(8)
+    kw = dict(state_quantization="blockwise8")
+    first, second = registry._quantization_groups([big, small], kw)
+    assert first["params"] == [big] and second["params"] == [small]
+    assert second["state_quantization"] is None and second["state_dtype"] is None
+    edge = torch.zeros(255)
+    groups = registry._quantization_groups([edge, big], dict(kw, block_size=256))
+    assert groups[0]["params"] == [big] and groups[1]["params"] == [edge]
+    assert registry._quantization_groups([big, small], {}) == [big, small]
+
+
+def test_a_variant_the_library_lacks_is_named_not_built():
+    assert LP.missing_options(LP._mars("x", ("no_such_option", 1))) == ["no_such_option"]
+    assert LP.missing_options(LP.VARIANTS[1]) == []  # state_dtype: MARS has it
+    labels = [v.label for v in LP.VARIANTS]
+    assert labels[0] == LP.REFERENCE and len(set(labels)) == len(labels)
+
+
+def test_the_committed_outputs_say_the_same():
+    meta = json.loads((C.committed_dir("quick") / f"{LP.NAME}.json").read_text())
+    assert list(meta["finals"]) == list(LP.BUDGET["quick"]["tasks"])
+    again = LP.effect_table(meta["finals"], meta["seeds"])
+    assert len(again) == len(meta["effects"])
+    for fresh, saved in zip(again, meta["effects"]):
+        for key in ("task", "variant", "diff", "lo", "hi", "se", "verdict", "reference_sd"):
+            assert fresh[key] == saved[key] or (
+                isinstance(saved[key], float) and math.isnan(saved[key])
+                and math.isnan(fresh[key])), (key, fresh[key], saved[key])
+    built = {r["variant"] for r in meta["effects"]} | {LP.REFERENCE}
+    assert built | set(meta["not_built"]) == {v.label for v in LP.VARIANTS}
