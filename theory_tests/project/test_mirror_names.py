@@ -59,6 +59,8 @@ ORACLE_ONLY = {
     "common.matrix_functions": {"quintic", "optimal_quintic", "polar_express_coefficients"},
     # the rule's parts, written out (the port computes them inside stochastic_round)
     "common.rounding": {"neighbours", "largest_finite"},
+    # LP4's per-value bound: what the tests hold the quantizer to, not a step of the optimizer
+    "common.blockwise": {"error_bound"},
 }
 TORCH_ONLY = {
     # the options' validation, the capture's additive reduce statistics (summed over calls and
