@@ -23,38 +23,43 @@ from figures import registry
 from figures.experiments import low_precision as LP
 
 
-def _second_moment(beta2, state_dtype, steps):
-    """MARS-AdamW on one 16 x 16 tensor whose gradient is the same every step (norm 0.2, so
-    MARS's clip at norm 1 leaves it alone): its stored ``exp_avg_sq`` over g² (float64),
-    which float32 arithmetic takes to 1 − β₂ᵗ."""
+def _second_moment(spec, *checkpoints):
+    """``spec`` on one 16 x 16 tensor whose gradient is the same every step (norm 0.2, so
+    MARS's clip at norm 1 leaves it alone): its stored ``exp_avg_sq`` over g² (float64) after
+    each number of steps of ``checkpoints``; float32 arithmetic takes it to 1 − β₂ᵗ."""
     g = torch.linspace(0.5, 2.0, 16 * 16).reshape(16, 16) / 100
     p = torch.nn.Parameter(torch.zeros(16, 16))
-    spec = LP._mars("x", ("betas", (0.95, beta2)),
-                    *((("state_dtype", state_dtype),) if state_dtype else ()))
-    stepper = registry.build(spec, torch.nn.ParameterList([p]), lr=1e-3)  # p never read
-    for _ in range(steps):
-        p.grad = g.clone()
-        stepper.step(None)
-    v = stepper.optimizers[0].state[p]["exp_avg_sq"]
-    return (v.double() / g.double() ** 2).flatten()
+    stepper = registry.build(spec, torch.nn.ParameterList([p]), lr=1e-3)  # p is never read
+    out, done = [], 0
+    for steps in checkpoints:
+        for _ in range(steps - done):
+            p.grad = g.clone()
+            stepper.step(None)
+        done = steps
+        v = stepper.optimizers[0].state[p]["exp_avg_sq"]
+        out.append((v.double() / g.double() ** 2).flatten())
+    return out
 
 
-def test_bf16_nearest_freezes_the_second_moment_at_beta2_0999():
-    """The figure's reason for β₂ = 0.999: a constant gradient, 600 steps. float32's v/g² is
-    1 − 0.999⁶⁰⁰ = 0.451 (to float32 rounding), plus the first step's correction
-    (c₁ = (1 + a) g with g_prev = 0, a = γβ₁/(1 − β₁)) decayed since; bf16 to nearest stops where an update is
-    under half an ulp, (1 − β₂)(g²/v − 1) < 2⁻⁹..2⁻⁸, i.e. v/g² in [0.2, 0.34], and stays
-    there; at β₂ = 0.99 the same rule stops within a few per cent of the target."""
+def test_bf16_nearest_freezes_the_second_moment_at_the_figures_beta2():
+    """The figure's reason for β₂ = 0.999: a constant gradient and the figure's own float32
+    and bf16-nearest variants. After 300 steps float32's v/g² is 1 − 0.999³⁰⁰ = 0.259 (to
+    float32 rounding), plus the first step's correction (c₁ = (1 + a) g with g_prev = 0,
+    a = γβ₁/(1 − β₁)) decayed since; bf16 to nearest stops where an update is under half an
+    ulp, (1 − β₂)(g²/v − 1) < 2⁻⁹..2⁻⁸, i.e. v/g² in [0.2, 0.34] (reached by step ~415),
+    and stays there (500 and 600 steps); at β₂ = 0.99 the same rule stops within a few per
+    cent of the target."""
+    float32, nearest = LP.VARIANTS[0], LP.VARIANTS[1]
+    assert nearest.kwargs()["state_dtype"] == "bfloat16" and "state_dtype" not in float32.kwargs()
     a = 0.025 * 0.95 / 0.05
-    exact = 1 - 0.999 ** 600 + 0.001 * 0.999 ** 599 * ((1 + a) ** 2 - 1)
-    f32 = _second_moment(0.999, None, 600)
+    exact = 1 - 0.999 ** 300 + 0.001 * 0.999 ** 299 * ((1 + a) ** 2 - 1)
+    f32, = _second_moment(float32, 300)
     assert torch.allclose(f32, torch.full_like(f32, exact), rtol=1e-4)
-    near = _second_moment(0.999, "bfloat16", 600)
+    near, frozen = _second_moment(nearest, 500, 600)
     assert 0.2 <= float(near.min()) and float(near.max()) <= 0.34, (near.min(), near.max())
-    frozen = _second_moment(0.999, "bfloat16", 800)
-    assert torch.equal(near, frozen)  # 200 more steps moved no entry
-    fast = _second_moment(0.99, "bfloat16", 600)  # 1 − 0.99⁶⁰⁰ = 1 − 2e-3
-    assert float(fast.min()) > 0.7 and float(fast.max()) <= 1.0
+    assert torch.equal(near, frozen)  # 100 more steps moved no entry
+    fast, = _second_moment(LP._mars("x", LP.BF16, ("betas", (0.95, 0.99))), 300)
+    assert float(fast.min()) > 0.7 and float(fast.max()) <= 1.0  # 1 − 0.99³⁰⁰ = 0.95
 
 
 def test_each_effect_is_the_variant_minus_float32_with_its_paired_interval():

@@ -15,6 +15,8 @@ F_PROGRESS = "figures/progress.py"
 F_SUMMARY = "figures/summary.py"
 F_HARNESS = "theory_tests/mutation/harness.py"
 F_CURV = "figures/curvature_methods.py"
+F_LOWP = "figures/experiments/low_precision.py"
+F_REGISTRY = "figures/registry.py"
 PYPROJECT = "pyproject.toml"
 
 
@@ -117,6 +119,24 @@ MUTANTS = {
         Mutant(F_CURV, "VANISHED = 1e-20\n", "VANISHED = 0.0\n"),
         # the training hook never called: mc / type-2 K-FAC would have no columns
         Mutant(F_COMMON, "            before_backward(opt, output, y)\n", "            pass\n"),
+    ],
+    "FIG-LOW-PRECISION": [
+        # the effect's sign turned: float32 − variant, a worse variant drawn as better
+        Mutant(F_LOWP, "            paired = S.paired_ci(vals, ref)",
+               "            paired = S.paired_ci(ref, vals)"),
+        # the verdicts swapped: an interval above 0 read as better
+        Mutant(F_LOWP, '{"positive": "worse", "negative": "better"}',
+               '{"positive": "better", "negative": "worse"}'),
+        # the seed noise's SE without its sqrt(n)
+        Mutant(F_LOWP, "reference_se=sd / math.sqrt(len(ref))", "reference_se=sd"),
+        # MARS's default beta2 = 0.99, where nearest barely stalls: not the figure's setting
+        Mutant(F_LOWP, "BETAS = (0.95, 0.999)", "BETAS = (0.95, 0.99)"),
+        # a tensor of exactly one block sent to the float32 group
+        Mutant(F_REGISTRY, "    big = [p for p in params if p.numel() >= block]",
+               "    big = [p for p in params if p.numel() > block]"),
+        # the spec's state_dtype name no longer turned into a dtype
+        Mutant(F_REGISTRY, 'for key in ("ns_dtype", "state_dtype"):',
+               'for key in ("ns_dtype",):'),
     ],
     "FIG-ENVIRONMENT": [
         # transformers unpinned: a newer one changes the BERT figures' last bits
