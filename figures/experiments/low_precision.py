@@ -44,9 +44,11 @@ scan's full model (0.115M parameters) for 2,048 steps of 1,024 tokens and a 2-la
 1,000 steps. A variant whose option the installed library lacks is not built; the JSON's
 ``not_built`` names it and the option.
 """
+import concurrent.futures
 import functools
 import inspect
 import math
+import time
 
 import numpy as np
 import torch
@@ -154,6 +156,20 @@ def one_run(task, b, spec, seed, device):
     return rows
 
 
+def _finished(jobs, budget, ctx):
+    """(index, rows) of each run of ``jobs`` as it finishes: in this process one after the
+    other, or on ``ctx.jobs`` spawned processes (each run is seeded: the same rows)."""
+    if ctx.jobs <= 1:
+        for i, (task, spec, seed) in enumerate(jobs):
+            yield i, one_run(task, budget["tasks"][task], spec, seed, ctx.device)
+        return
+    with BS._executor(ctx.jobs) as pool:
+        futures = {pool.submit(one_run, task, budget["tasks"][task], spec, seed, ctx.device): i
+                   for i, (task, spec, seed) in enumerate(jobs)}
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
+
+
 # ------------------------------------------------------------------ the statistics
 def effect_table(finals, seeds):
     """Per task and variant: d = L(variant) − L(float32) per seed, its paired 95 % t interval
@@ -240,10 +256,14 @@ def run(ctx):
     variants = [v for v in VARIANTS if not missing_options(v)]
     not_built = {v.label: missing_options(v) for v in VARIANTS if missing_options(v)}
     jobs = [(task, spec, seed) for task in budget["tasks"] for spec in variants for seed in seeds]
-    with BS._executor(ctx.jobs) as pool:
-        futures = [pool.submit(one_run, task, budget["tasks"][task], spec, seed, ctx.device)
-                   for task, spec, seed in jobs]
-        done = [f.result() for f in futures]
+    start, done = time.perf_counter(), [None] * len(jobs)
+    for k, (i, rows) in enumerate(_finished(jobs, budget, ctx), 1):
+        done[i] = rows
+        if ctx.progress:  # a --full run takes hours on a busy CPU: say how far it is
+            task, spec, seed = jobs[i]
+            print(f"  [{NAME} {time.perf_counter() - start:.0f} s] run {k} of {len(jobs)}: "
+                  f"{tag(task, spec.label)} seed {seed}, final validation loss "
+                  f"{rows[-1]['val_loss']:.4f}", flush=True)
     curves = {task: {} for task in budget["tasks"]}
     for (task, spec, _), rows in zip(jobs, done):
         curves[task].setdefault(spec.label, []).append(rows)

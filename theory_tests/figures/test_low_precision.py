@@ -119,3 +119,22 @@ def test_the_committed_outputs_say_the_same():
                 and math.isnan(fresh[key])), (key, fresh[key], saved[key])
     built = {r["variant"] for r in meta["effects"]} | {LP.REFERENCE}
     assert built | set(meta["not_built"]) == {v.label for v in LP.VARIANTS}
+
+
+# slow: two tiny builds, one on two spawned processes (~30 s)
+@pytest.mark.slow
+def test_the_runs_on_two_processes_are_the_serial_ones(tmp_path):
+    """``--jobs 2`` runs the figure's training runs on two processes: every CSV cell but the
+    wall-clock is the serial build's (each run seeds its own generators)."""
+    import csv
+
+    from figures import cli
+
+    for name, extra in (("serial", []), ("parallel", ["--jobs", "2"])):
+        cli.main(["--tiny", "--only", LP.NAME, "--no-progress", "--out", str(tmp_path / name)]
+                 + extra)
+
+    def rows(name):
+        with open(tmp_path / name / f"{LP.NAME}.csv", newline="") as f:
+            return [{k: v for k, v in r.items() if k != "wall_s"} for r in csv.DictReader(f)]
+    assert rows("serial") == rows("parallel") and rows("serial")
