@@ -1,6 +1,6 @@
 """Optimizer-step benchmarks against torch.optim, measured in the same run.
 
-    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours|rank_k]
+    python -m figures.bench [--only mars|mars_m|orthogonalisers|mkor|hf|memory|kfac_flavours|rank_k|factor_precision]
         [--repeats 9] [--device cpu] [--json PATH]
         [--layers 8 --vocab 8192 --ns-dtype bfloat16|float32 --no-compile]  (mars_m)
 
@@ -24,6 +24,9 @@
   Llama (:mod:`figures.bench.kfac_flavours`).
 * ``rank_k``: MKOR's rank-k factor update (Woodbury, KC8) over the rank-1 one at d = 1024,
   k = 1 ... 16 (:mod:`figures.bench.rank_k`).
+* ``factor_precision``: MKOR's inverse factors in float32, bf16 round-to-nearest and bf16
+  stochastic rounding against the float64 oracle, d = 64, 300 factor updates (LP5; not a
+  timing: errors, stabiliser firings and the bound; :mod:`figures.bench.factor_precision`).
 
 Runs are interleaved (every repeat times every contender once, in turn) and the median is
 reported with its ratio to the reference contender of the same table: absolute times are not
@@ -235,7 +238,8 @@ def _table(title, times, reference):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m figures.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["mars", "mars_m", "orthogonalisers", "mkor", "hf",
-                                           "memory", "kfac_flavours", "rank_k"])
+                                           "memory", "kfac_flavours", "rank_k",
+                                           "factor_precision"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=8,
@@ -334,6 +338,12 @@ def main(argv=None):
         print("\nMKOR rank-k factor update over rank 1 (d = 1024):")
         report["rank_k_over_rank_1"] = bench_rank_k.main(
             ["--device", args.device, "--repeats", str(args.repeats)])
+    if args.only in (None, "factor_precision"):  # issue 47: MKOR's factors in bf16 (LP5)
+        from figures.bench import factor_precision as bench_factor_precision
+        print("\nMKOR inverse factors in float32 / bf16 nearest / bf16 stochastic against "
+              "the float64 oracle:")
+        report["factor_precision"] = bench_factor_precision.main(
+            ["--dims", "64", "--steps", "300"])
     emit_json(report, args.json)
 
 

@@ -36,7 +36,8 @@ def test_port_equals_oracle_bit_for_bit_with_a_shorter_last_block(kind, size, bl
 def test_port_equals_oracle_on_extremes_zero_blocks_and_negative_values(kind):
     """Blocks: all zeros; float32's largest and subnormal values; negatives (under the unsigned
     map they go to its 0, the nearest entry); a block of one value."""
-    x = np.concatenate([np.zeros(16), [3.4e38, -1e38, 1.0, 0.0] * 4, [1e-44, -3e-45, 1e-40, 0.0] * 4,
+    x = np.concatenate([np.zeros(16), [3.4e38, -1e38, 1.0, 0.0] * 4,
+                        [1e-44, -3e-45, 1e-40, 0.0] * 4,
                         -np.abs(wide_values(1, 16)), np.zeros(16), [-2.5]]).astype(np.float32)
     out = run_both(x.reshape(1, -1), kind, 16)
     _assert_same(out)

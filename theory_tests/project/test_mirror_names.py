@@ -28,6 +28,9 @@ ORACLE_ONLY_MODULES = {
     # MKOR's per-expert equations: the port runs its 2-D functions (vectors, factors,
     # layer_state) batched over the expert axis
     "mkor.experts",
+    # the float64 measure of 16-bit factors (LP5): the explicit factor L_t, the errors of a
+    # kept inverse against it and their bound; the port's factors are what it measures
+    "mkor.factor_precision",
 }
 ORACLE_ONLY = {
     # K-FAC's flavours (issue 46): the port writes the columns' pieces inside kfac_columns

@@ -34,3 +34,4 @@ def wide_values(seed, n, decades=60):
     x = rng.standard_normal(n) * 10.0 ** rng.uniform(-decades / 2, decades / 2, n)
     x[rng.random(n) < 0.05] = 0.0
     return x.astype(np.float32)
+

@@ -85,12 +85,13 @@ from ..kronecker.discovery import (discover, unwrap_model, warn_identity_sides,
 from ..kronecker.exchange import Packet, world_size
 from ..kronecker.optimizer import PreconditionedOptimizer
 from ..kronecker.placement import (FullGradients, OwnerGradients, check_supported_sharding,
-                                   kept_here, owner_map, owns)
+                                   owner_map, owns)
 from .kfac_curvature import (ColumnSums, check_flavour_options, column_sums,
                              curvature_backward)
 from .kfac_equations import (decompose, decompose_stack, grad_stat, input_stat, per_sample,
                              preconditioned_gradient)
 from .kfac_flavours import reduce_grad_stat, reduce_input_stat
+from .kfac_state import factor_storage_dtype, load_layer_states, preconditioner_state
 
 __all__ = ["KFAC"]
 
@@ -111,16 +112,6 @@ def _all_finite(F, layer):
     if getattr(layer, "experts", None) is None or F.dim() < 3:
         return torch.isfinite(F).all()
     return torch.isfinite(F).flatten(-2).all(dim=-1)
-
-
-def _to_device(value, device, dtype):
-    """A copy of a saved state entry on ``device``; floating tensors in the factor dtype."""
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device, dtype) for v in value)
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=dtype if value.is_floating_point() else None,
-                        copy=True)
-    return value
 
 
 class KFAC(PreconditionedOptimizer):
@@ -158,6 +149,10 @@ class KFAC(PreconditionedOptimizer):
             expert stacks, MHA out-projections, or a model with a batch_first=False module).
         mc_samples: M for "mc" (default 1). generator: a ``torch.Generator`` for "mc"'s
             draws (default: torch's global one; its state is the caller's to save).
+        factor_dtype: the dtype A and G are kept in between steps (default None: the compute
+            dtype, the weights' promoted with float32); ``torch.bfloat16`` halves their
+            memory, each EMA write rounded to nearest, the decompositions still computed in
+            the compute dtype (:mod:`.kfac_state`; LP5).
     """
 
     _state_key = "kfac"
@@ -167,7 +162,8 @@ class KFAC(PreconditionedOptimizer):
                  grad_hook="tensor", max_factor_dim=8192, token_mask="attention_mask",
                  grad_scaler=None, grad_scale=1.0, process_group=None, factor_init="batch",
                  factor_init_scale=(1.0, 1.0), factor_placement="replicated", self_check=True,
-                 fisher_type="empirical", kfac_approx="expand", mc_samples=1, generator=None):
+                 fisher_type="empirical", kfac_approx="expand", mc_samples=1, generator=None,
+                 factor_dtype=None):
         self._bind(model, optimizer, grad_scaler)
         check_int("inv_freq", inv_freq, low=1)
         check_int("factor_freq", factor_freq, low=1)
@@ -207,6 +203,7 @@ class KFAC(PreconditionedOptimizer):
         # Factors are kept in the statistics' dtype: the weights' promoted with float32.
         self._dtype = (torch.promote_types(self._layers[0].module.weight.dtype, torch.float32)
                        if self._layers else torch.float32)
+        self._factor_dtype = factor_storage_dtype(factor_dtype, self._dtype)
         warn_identity_sides("KFAC", self._layers, 2 * self._dtype.itemsize)
         if not self._layers:
             warn_nothing_preconditioned("KFAC", self._skipped)
@@ -275,7 +272,7 @@ class KFAC(PreconditionedOptimizer):
         for key, side, d, scale in (("A", layer.identity_R, layer.d_in, s_A),
                                     ("G", layer.identity_L, layer.d_out, s_G)):
             if not side:  # "batch": I until the first accepted update replaces it
-                eye = scale * torch.eye(d, dtype=self._dtype, device=dev)
+                eye = (scale * torch.eye(d, dtype=self._dtype, device=dev)).to(self._factor_dtype)
                 state[key] = eye if not stack else eye.expand(*stack, d, d).clone()
         return state
 
@@ -323,39 +320,13 @@ class KFAC(PreconditionedOptimizer):
             self._capture.reset()
 
     def _preconditioner_state(self, clone):
-        """K-FAC's own state: factors, their decompositions and counters (by module name) and
-        the step count (the tensors copied if ``clone``)."""
-        if not clone:
-            return {"steps": self._steps, "layers": {n: dict(s) for n, s in self._state.items()}}
-        return {"steps": self._steps,
-                "layers": {n: {k: (tuple(t.clone() for t in v) if isinstance(v, tuple)
-                                   else v.clone() if isinstance(v, torch.Tensor) else v)
-                               for k, v in s.items()}
-                           for n, s in self._state.items()}}
+        """K-FAC's own state (:func:`~.kfac_state.preconditioner_state`)."""
+        return preconditioner_state(self._steps, self._state, clone)
 
     def load_preconditioner_state_dict(self, state):
-        if set(state["layers"]) != set(self._state):
-            raise ValueError(f"state_dict layers {sorted(state['layers'])} do not match the "
-                             f"preconditioned modules {sorted(self._state)}")
-        loaded = {}
-        for name, saved in state["layers"].items():
-            own = self._state[name]
-            if not kept_here(name, own, saved):
-                loaded[name] = {}
-                continue
-            for key in ("A", "G"):
-                if (key in saved) != (key in own) or (
-                        key in own and saved[key].shape != own[key].shape):
-                    raise ValueError(f"{name}.{key}: the saved factor does not fit this layer "
-                                     "(a different model or max_factor_dim?)")
-            if saved["updates"].shape != own["updates"].shape:  # one layer vs a stack
-                raise ValueError(f"{name}: the saved counters of shape "
-                                 f"{tuple(saved['updates'].shape)} do not fit this layer's "
-                                 f"{tuple(own['updates'].shape)} (a stack of experts?)")
-            dev = own["updates"].device
-            loaded[name] = {k: _to_device(v, dev, self._dtype) for k, v in saved.items()}
+        self._state = load_layer_states(state["layers"], self._state, self._dtype,
+                                        self._factor_dtype)
         self._steps = state["steps"]
-        self._state = loaded
 
     # -- the step -----------------------------------------------------------------------
     def _batch_factors(self):
@@ -455,7 +426,8 @@ class KFAC(PreconditionedOptimizer):
             for key, new in (("A", A_new), ("G", G_new)):
                 if key in s:  # "batch": the first accepted update takes the batch factor
                     blends[key] = torch.where(_per_matrix(first & (self.factor_init == "batch")),
-                                              new, beta * s[key] + (1 - beta) * new)
+                                              new, beta * s[key].to(new.dtype) + (1 - beta) * new
+                                              ).to(s[key].dtype)  # kept in factor_dtype
                     ok = ok & _all_finite(blends[key], layer)
             overflow = finite & ~ok  # finite statistics, non-finite EMA
             if present is not None:  # a 0-d bool: whether any rank had rows

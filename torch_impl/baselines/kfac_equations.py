@@ -139,9 +139,17 @@ def _attempt(F, damping, method, attempt, extra):
         return None, False
 
 
+def _computed(F):
+    """F in the dtype a decomposition runs in: a factor kept in bf16 / fp16
+    (``factor_dtype``, :mod:`.kfac_state`) is decomposed in float32, never in 16 bits."""
+    return F.to(torch.promote_types(F.dtype, torch.float32))
+
+
 def decompose(F, damping, method):
     """eigh / inv of the factor F with fallbacks: float64, then more damping. Returns the
-    result (in F's dtype) and the number of failed attempts, or (None, attempts)."""
+    result (in F's dtype, float32 for a 16-bit F) and the number of failed attempts, or
+    (None, attempts)."""
+    F = _computed(F)
     attempts = 0
     for extra in (0.0, 0.0, 10 * damping, 100 * damping, 1000 * damping):
         out, ok = _attempt(F, damping, method, attempts, extra)
@@ -170,6 +178,7 @@ def decompose_stack(F, damping, method, previous=None):
     or the inverses (E, d, d)), the failed attempts summed over the matrices, and the
     experts whose every attempt failed; those keep their part of ``previous`` (the stack's
     last result), or the identity's (:func:`identity_decomposition`) if there is none."""
+    F = _computed(F)
     out, ok = _attempt(F, damping, method, 0, 0.0)
     if ok:
         return out, 0, []

@@ -11,6 +11,8 @@ and K-FAC (:mod:`torch_impl.baselines.kfac`) are siblings here, each keeping its
 * :mod:`.experts` -- fused mixture-of-experts modules as stacks of expert layers;
 * :mod:`.placement` -- FSDP2: supported shardings, replicated or owner-per-layer factors;
 * :mod:`.exchange` -- the statistics' flat-buffer collectives;
+* :mod:`.factor_storage` -- factors kept in 16 bits: the write (nearest or stochastic) and its
+  seed;
 * :mod:`.state_layout`, :mod:`.report` -- the checkpoint layout on the parameters, and the
   capture report's table.
 """

@@ -17,7 +17,8 @@ average              once           double
 ==================== ============== ==================
 
 ``stabilizer_norm`` is "max_entry" (threshold 2) in both columns; the O(d^3)
-spectral norm of the oracle is deliberately not offered here.
+spectral norm of the oracle is deliberately not offered here. ``factor_rounding`` is
+"nearest" in both (issue 47: "stochastic" needs a 16-bit ``factor_dtype``; LP5).
 
 :class:`MKOROptions` validates every keyword of :class:`~.preconditioner.MKOR` under its own
 name; each consumer then receives a frozen record of just what it reads, the names unchanged:
@@ -28,6 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..common.rounding import ROUNDING_DTYPES
 from ..common.validation import check_choice, check_int, check_number
 
 __all__ = ["MKOROptions", "FactorRule", "PreconditionRule", "ExchangeOptions",
@@ -57,6 +59,7 @@ _CHOICES = {
     "hybrid_switch": (None, "loss_rate"),
     "grad_hook": ("module", "tensor"),
     "factor_placement": ("replicated", "owner"),
+    "factor_rounding": ("nearest", "stochastic"),
 }
 
 
@@ -163,6 +166,8 @@ class MKOROptions:
     token_mask: str
     factor_placement: str
     rank: int
+    factor_rounding: str
+    rounding_seed: object
 
     def __post_init__(self):
         def set_(name, value):  # a frozen record is written here, while it is being made
@@ -205,6 +210,16 @@ class MKOROptions:
                 f"token_mask: expected None or a keyword name, got {self.token_mask!r}")
         if self.switch_step is not None:
             check_int("switch_step", self.switch_step, low=0)
+        if self.factor_rounding == "stochastic" and self.factor_dtype not in ROUNDING_DTYPES:
+            raise ValueError(
+                "factor_rounding: expected 'nearest' or a 16-bit factor_dtype (bfloat16 or "
+                "float16) for 'stochastic', which rounds the stored factors, got 'stochastic' "
+                f"with factor_dtype={self.factor_dtype}: nothing to round")
+        if self.rounding_seed is not None:
+            check_int("rounding_seed", self.rounding_seed, low=0)
+            if self.rounding_seed >= 2 ** 63:
+                raise ValueError(f"rounding_seed: expected an int in [0, 2**63), got "
+                                 f"{self.rounding_seed!r}")
 
     @property
     def compute_dtype(self):

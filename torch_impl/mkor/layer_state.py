@@ -18,6 +18,7 @@ import torch
 from .factors import (factor_update, max_entry_norm, needs_stabilising, precondition,
                       rescale)
 from .rank_k import rank_k_factor_update
+from ..kronecker.factor_storage import store_factor
 from ..kronecker.placement import FullGradients, OwnerGradients
 
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
@@ -73,7 +74,8 @@ class Workspace:
         return tuple(out)
 
 
-def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None, groups=None):
+def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None, groups=None,
+                         seeds=None):
     """R_inv <- U(R_inv, a_bar), L_inv <- U(L_inv, g_bar) by the factor ``rule``
     (a :class:`~.config.FactorRule`: K8-K12);
     a non-finite vector or result is refused and counted.  ``present``: None when the layer
@@ -82,7 +84,10 @@ def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None, groups=
     factor is computed in a borrowed buffer and written into the stored one (no allocation).
     ``groups``: None for rank-1 vectors; for rank k (KC7/KC8) ``a_bar`` and ``g_bar`` hold k
     group means as rows ((.., k, d)) and ``groups`` the groups holding a row (k', a 0-d or
-    per-expert tensor), and the factors take the Woodbury step."""
+    per-expert tensor), and the factors take the Woodbury step. ``seeds``: None (a factor
+    narrower than the compute dtype is written rounded to nearest) or {"R_inv": int,
+    "L_inv": int}, the LP2 seeds of this update's writes, rounded stochastically (LP1,
+    symmetric: :func:`~torch_impl.kronecker.factor_storage.store_factor`; LP5)."""
     if present is False:
         s["no_rows"] = s["no_rows"] + 1
         return
@@ -127,7 +132,8 @@ def update_layer_factors(s, a_bar, g_bar, present, rule, workspace=None, groups=
         if buf is not None and s[key].dtype == cd:  # J is the stored factor: update in place
             torch.where(keep, J_new, J, out=s[key])
         else:
-            s[key] = torch.where(keep, J_new, J).to(rule.factor_dtype)
+            s[key] = store_factor(torch.where(keep, J_new, J), rule.factor_dtype,
+                                  None if seeds is None else seeds[key])
         return ok, fired
 
     ok_a, fired_a = update("R_inv", R, a_bar, s["updates_a"] == 0, flag_a)

@@ -29,6 +29,7 @@ from ..kronecker.capture import Capture, weak_schedule
 from ..kronecker.discovery import (discover, unwrap_model, warn_identity_sides,
                                    warn_nothing_preconditioned)
 from ..kronecker.exchange import world_size
+from ..kronecker.factor_storage import factor_seed, resolve_rounding_seed
 from ..kronecker.optimizer import PreconditionedOptimizer
 from ..kronecker.placement import check_supported_sharding, kept_here, owner_map, owns
 from .config import MKOROptions
@@ -142,6 +143,16 @@ class MKOR(PreconditionedOptimizer):
             a relative error of up to 2^-8 (bfloat16) or 2^-11 (float16) per update;
             when lambda_min(J) is below that times max|J_ij| the stored factor can lose
             definiteness. Use float32 unless memory forces otherwise.
+        factor_rounding: how a 16-bit factor is written: "nearest" (default) or
+            "stochastic" (LP1, unbiased, the upper triangle mirrored so the factor stays
+            symmetric; needs factor_dtype bfloat16 or float16). The measured error of the
+            kept inverse and its bound: ``paper_notes/low_precision_factors.md`` (LP5).
+        rounding_seed: the stochastic writes' seed (LP2; an int in [0, 2**63), kept in
+            ``state_dict``); None draws one from torch's default generator, rank 0's
+            broadcast when distributed. Each write's stream is ``stream_seed(rounding_seed,
+            layer index, name_word("L_inv" or "R_inv"), step)``
+            (:mod:`torch_impl.kronecker.factor_storage`): no rank word, so replicated factors
+            round identically on every rank.
         average: "once" | "double" (distributed vector averaging, spec 2.7).
         comm_dtype: dtype of the all-reduce buffer (default: the compute dtype); float16
             / bfloat16 halve the traffic at a stated error (:mod:`.distributed`).
@@ -219,7 +230,8 @@ class MKOR(PreconditionedOptimizer):
                  switch_window=50, switch_check_every=10, switch_threshold=1e-3,
                  switch_patience=3, switch_step=None, max_factor_dim=8192,
                  token_mask="attention_mask", factor_placement="replicated", grad_scaler=None,
-                 process_group=None, comm_overlap=False, self_check=True, rank=1):
+                 process_group=None, comm_overlap=False, self_check=True, rank=1,
+                 factor_rounding="nearest", rounding_seed=None):
         self._bind(model, optimizer, grad_scaler)
         self.options = o = MKOROptions(
             inv_freq=inv_freq, stat_decay=stat_decay, variant=variant, zeta=zeta,
@@ -233,7 +245,8 @@ class MKOR(PreconditionedOptimizer):
             switch_window=switch_window, switch_check_every=switch_check_every,
             switch_threshold=switch_threshold, switch_patience=switch_patience,
             switch_step=switch_step, max_factor_dim=max_factor_dim, token_mask=token_mask,
-            factor_placement=factor_placement, rank=rank)
+            factor_placement=factor_placement, rank=rank, factor_rounding=factor_rounding,
+            rounding_seed=rounding_seed)
         check_bool("comm_overlap", comm_overlap)
         self.process_group = process_group
         found = discover(unwrap_model(model), o.skip_modules, optimizer, o.max_factor_dim)
@@ -251,6 +264,10 @@ class MKOR(PreconditionedOptimizer):
             device=lambda: layers[0].module.weight.device if layers else "cpu")
         self._grad_scale = o.grad_scale
         self._state = {layer.name: self._initial_state(layer) for layer in self._layers}
+        # LP5: the stochastic writes' seed (None: nearest) and each layer's word in it
+        self.rounding_seed = None if o.factor_rounding == "nearest" else resolve_rounding_seed(
+            o.rounding_seed, process_group, layers[0].module.weight.device if layers else "cpu")
+        self._index = {layer.name: i for i, layer in enumerate(self._layers)}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
         self._exchange = VectorExchange(self._layers, model, o.exchange, process_group,
                                         o.rank)
@@ -349,9 +366,12 @@ class MKOR(PreconditionedOptimizer):
                   {n: {k: v.clone() if clone else v for k, v in s.items()}
                    for n, s in self._state.items()})
         hybrid = self._hybrid.state_dict()
-        return {"steps": self._steps, "switched": hybrid["switched"], "layers": layers,
-                "rule": hybrid["rule"], "losses": hybrid["losses"],
-                "grad_scale": self._grad_scale}
+        run = {"steps": self._steps, "switched": hybrid["switched"], "layers": layers,
+               "rule": hybrid["rule"], "losses": hybrid["losses"],
+               "grad_scale": self._grad_scale}
+        if self.rounding_seed is not None:  # the LP2 streams resume from it (LP5)
+            run["rounding_seed"] = self.rounding_seed
+        return run
 
     def load_preconditioner_state_dict(self, state):
         """Restore :meth:`preconditioner_state_dict` output."""
@@ -376,6 +396,8 @@ class MKOR(PreconditionedOptimizer):
                                          f"{tuple(own[key].shape)}")
                     own[key] = value.to(device=own[key].device, dtype=own[key].dtype).clone()
         self._steps = state["steps"]
+        if self.rounding_seed is not None and "rounding_seed" in state:
+            self.rounding_seed = int(state["rounding_seed"])
         self._hybrid.load_state_dict(state)
         self._grad_scale = state.get("grad_scale", self._grad_scale)
 
@@ -532,7 +554,15 @@ class MKOR(PreconditionedOptimizer):
         for layer, a_bar, g_bar, present, *groups in self._vectors():
             if self._owns(layer.name):  # the owner alone updates an owned layer's factors
                 update_layer_factors(self._state[layer.name], a_bar, g_bar, present,
-                                     self._factor_rule, self._workspace, *groups)
+                                     self._factor_rule, self._workspace, *groups,
+                                     seeds=self._write_seeds(layer.name))
+
+    def _write_seeds(self, name):
+        """The LP2 seeds of this step's writes of the layer's factors (None: nearest)."""
+        if self.rounding_seed is None:
+            return None
+        return {key: factor_seed(self.rounding_seed, self._index[name], key, self._steps)
+                for key in ("R_inv", "L_inv")}
 
     def _precondition_layer(self, layer):
         precondition_layer(layer, self._state[layer.name], self._precondition_rule,
