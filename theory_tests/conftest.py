@@ -38,6 +38,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """Back to one thread after every test: a script a test runs may set its own count (the
+    benchmark scripts ask for 2), which would otherwise hold for every later test on that
+    xdist worker (two threads on the busy 2-core machine: ~3x the CPU time, measured on
+    figures.bench.self_check_cost)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
 
 def pytest_addoption(parser, pluginmanager):
     """pyproject's addopts run the suite on 2 xdist workers (``-n 2 --dist ...``). Where xdist

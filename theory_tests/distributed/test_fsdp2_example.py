@@ -16,6 +16,12 @@ half; and the same run on one process. Shown:
     (float32 summation order; not bit for bit);
 and MKOR's and K-FAC's runs end away from their AdamW backbone's run alone (the
 preconditioned gradients reached the shards). AdamW itself gets the same checks.
+
+Every case runs in one 2-rank job, and every optimizer's one-process run in one 1-rank job (a
+forked rank pays for its first FSDP and DCP calls once instead of once per case); the AdamW
+backbone alone, which MKOR's and K-FAC's cases compare with, runs once there, and the
+one-process run of an optimizer serves its owner-placed case too (the example places factors
+only on several ranks). The tests, one per case, read that module's runs.
 """
 import math
 import os
@@ -37,24 +43,38 @@ ARGS = ["--steps", str(STEPS), "--batch", "4", "--seq", "8", "--inv-freq", "2",
 # MARS 3.9e-5, AdamW 4.4e-5, MARS-M 1.04e-2 (its Newton-Schulz runs in bfloat16, the
 # default ns_dtype); both ranks training on rank 0's slice gives 1.8 to 1.9.
 CROSS_WORLD_TOL = 5e-2
+# a job runs every case: a deadline for a hung collective, with room for a loaded machine
+TIMEOUT = 300.0
+
+CASES = [(name, ()) for name in fsdp2_train.OPTIMIZERS] + [
+    (name, ("--factor-placement", "owner")) for name in ("mkor", "kfac")]
+IDS = [n + "-owner" * bool(e) for n, e in CASES]
 
 
-def _job(rank, world, root, name, extra=()):
-    ckpt = os.path.join(root, name)
-    base = ARGS + list(extra) + ["--optimizer", name, "--checkpoint", ckpt]
-    full = fsdp2_train.main(base)
-    resumed = fsdp2_train.main(base + ["--resume", "--seed", "1"])
-    fresh = fsdp2_train.main(["--steps", "0", "--seed", "1", "--optimizer", name])
-    out = {"full": full, "resumed": resumed, "fresh": fresh["params"]}
-    if name in ("mkor", "kfac"):  # the preconditioner changes the backbone's steps
-        out["backbone"] = fsdp2_train.main(ARGS + ["--optimizer", "adamw"])["params"]
+def _job(rank, world, root, cases):
+    """{case id: its runs} for every (name, extra) of ``cases``, each checkpointed in its own
+    folder under ``root``; MKOR's and K-FAC's cases also get the AdamW backbone alone (run
+    once: the preconditioner changes the backbone's steps)."""
+    out, backbone = {}, None
+    for (name, extra), case in zip(cases, (n + "-owner" * bool(e) for n, e in cases)):
+        base = ARGS + list(extra) + ["--optimizer", name, "--checkpoint",
+                                     os.path.join(root, case)]
+        full = fsdp2_train.main(base)
+        resumed = fsdp2_train.main(base + ["--resume", "--seed", "1"])
+        fresh = fsdp2_train.main(["--steps", "0", "--seed", "1", "--optimizer", name])
+        out[case] = {"full": full, "resumed": resumed, "fresh": fresh["params"]}
+        if name in ("mkor", "kfac"):
+            if backbone is None:
+                backbone = fsdp2_train.main(ARGS + ["--optimizer", "adamw"])["params"]
+            out[case]["backbone"] = backbone
     return out
 
 
-def _one_process(rank, world, name):
-    """The same run on one rank (the whole global batch), and its initial weights."""
-    return {"final": fsdp2_train.main(ARGS + ["--optimizer", name])["params"],
-            "init": fsdp2_train.main(["--steps", "0", "--optimizer", name])["params"]}
+def _one_process(rank, world, names):
+    """{name: the same run on one rank (the whole global batch), and its initial weights}."""
+    return {name: {"final": fsdp2_train.main(ARGS + ["--optimizer", name])["params"],
+                   "init": fsdp2_train.main(["--steps", "0", "--optimizer", name])["params"]}
+            for name in names}
 
 
 def _check(results, single):
@@ -85,16 +105,21 @@ def _check(results, single):
                 assert torch.equal(res[run_name]["params"][n], p), (run_name, n)
 
 
-CASES = [(name, ()) for name in fsdp2_train.OPTIMIZERS] + [
-    (name, ("--factor-placement", "owner")) for name in ("mkor", "kfac")]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(every case's runs on each of 2 ranks, every optimizer's one-process run)."""
+    root = str(tmp_path_factory.mktemp("fsdp2_example"))
+    two = run(_job, 2, root, CASES, timeout=TIMEOUT)
+    one = run(_one_process, 1, fsdp2_train.OPTIMIZERS, timeout=TIMEOUT)[0]
+    return two, one
 
 
-@pytest.mark.parametrize("name, extra", CASES, ids=[n + "-owner" * bool(e) for n, e in CASES])
-def test_fsdp2_example_trains_and_resumes_bit_identically(tmp_path, name, extra):
+@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
+def test_fsdp2_example_trains_and_resumes_bit_identically(runs, name, extra):
     """(a)-(d) of the module docstring; MKOR and K-FAC also with owner-placed factors
     (saved and resumed by the owners; the one-process run holds every factor)."""
-    _check(run(_job, 2, str(tmp_path), name, extra, timeout=90.0),
-           run(_one_process, 1, name, timeout=90.0)[0])
+    two, one = runs
+    _check([r[name + "-owner" * bool(extra)] for r in two], one[name])
 
 
 @pytest.mark.slow

@@ -9,7 +9,14 @@ overwrite it), calls ``get_state_dict``, ``dcp.load`` and ``set_state_dict`` and
 remaining steps. DCP saves one copy of an entry several ranks hold, from a rank of its
 choosing, so the preconditioner's state is merged over the ranks here and entries held twice
 must agree bit for bit; owner-placed factors are held by their owner alone.
+
+Every variant runs in one job per world size (saved on 2; uninterrupted on 2; resumed on 2, 3
+and 1), each in its own checkpoint folder: a forked rank pays for its first FSDP and DCP calls
+(sharding propagation, planners) once instead of once per variant. The tests, one per
+variant, read that module's runs.
 """
+import os
+
 import pytest
 import torch
 
@@ -19,9 +26,20 @@ from theory_tests.distributed.test_mkor_fsdp2 import (STEPS, VARIANTS, _assert_c
 from theory_tests.support.distributed_harness import run
 
 SAVE_AT = 2
+NAMES = ("paper", "kfac", "paper_owner", "kfac_owner", "paper_switched", "paper_rate",
+         "paper_rate_buffered")
+# a job runs every variant: a deadline for a hung collective, with room for a loaded machine
+TIMEOUT = 180.0
 
 
-def _dcp_job(rank, world, root, name, save):
+def _dcp_job(rank, world, root, names, save):
+    """:func:`_dcp_variant` for each of ``names`` in turn, each checkpointed in its own
+    folder under ``root``: {name: what it returned}."""
+    return {name: _dcp_variant(rank, world, os.path.join(root, name), name, save)
+            for name in names}
+
+
+def _dcp_variant(rank, world, root, name, save):
     """``save``: train SAVE_AT steps and checkpoint; else load into a fresh model (another
     seed, so the load must overwrite it) and train the remaining steps."""
     import warnings
@@ -79,9 +97,20 @@ def _assert_same_state(a, b, what):
             assert value == b[key], f"{what}.{key}"
 
 
-@pytest.mark.parametrize("name", ["paper", "kfac", "paper_owner", "kfac_owner",
-                                  "paper_switched", "paper_rate", "paper_rate_buffered"])
-def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every variant saved on 2 ranks, run uninterrupted on 2, and resumed on 2, 3 and 1:
+    (saved, uninterrupted, {world: resumed}), each a list over the ranks of {name: result}."""
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    saved = run(_dcp_job, 2, root, NAMES, True, timeout=TIMEOUT)
+    uninterrupted = run(_job, 2, NAMES, timeout=TIMEOUT)
+    resumed = {world: run(_dcp_job, world, root, NAMES, False, timeout=TIMEOUT)
+               for world in (2, 3, 1)}
+    return saved, uninterrupted, resumed
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(runs, name):
     """MKOR / K-FAC under FSDP2 through get_state_dict + dcp.save on 2 ranks, dcp.load +
     set_state_dict on 2, 3 and 1:
 
@@ -92,8 +121,8 @@ def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
       over 2 ranks, the last over 3 or 1), and on 2 ranks the uninterrupted 2-rank run bit
       for bit. The frozen layer's weight (never trained) checks the model load too: the
       fresh model starts from another seed."""
-    root = str(tmp_path / "ckpt")
-    saved = _whole_state(run(_dcp_job, 2, root, name, True), f"{name} saved")
+    saved_on_ranks, uninterrupted, resumed = runs
+    saved = _whole_state([r[name] for r in saved_on_ranks], f"{name} saved")
     assert all(saved["layers"].values())  # every layer's state is on some rank
     if name == "paper_switched":  # saved after the hand-over at step 1: factors freed,
         assert saved["switched"] and saved["steps"] == 1  # their layout kept (zeros)
@@ -101,9 +130,8 @@ def test_dcp_saved_on_two_ranks_resumes_on_three_and_one(tmp_path, name):
     else:
         assert saved["steps"] == SAVE_AT
     reference = _single(name)
-    uninterrupted = run(_job, 2, (name,))
     for world in (2, 3, 1):
-        results = run(_dcp_job, world, root, name, False)
+        results = [r[name] for r in resumed[world]]
         restored = _whole_state([r["restored"] for r in results], f"{name} on {world}")
         _assert_same_state(restored, saved, f"{name}: 2 -> {world} ranks")
         for rank, result in enumerate(results):

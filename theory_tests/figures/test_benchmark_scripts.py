@@ -12,6 +12,15 @@ from figures.bench import factor_update as bench_factor_update
 from figures.bench import moe_mars_m as bench_moe_mars_m
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """The suite's one thread, whatever a script asks for (capture_cost, self_check_cost and
+    kfac_flavours ask for the 2 their tables are measured with): no timing is asserted here,
+    and two threads on the busy 2-core machine cost ~3x the CPU time (OpenMP workers spin;
+    measured on self_check_cost)."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+
 def test_factor_update_benchmark_runs_and_reports_slopes(capsys):
     bench_factor_update.main(["--sizes", "32", "64", "--repeats", "1"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -115,6 +115,12 @@ def _named(key, *values):
     return [({key: v}, rf"^{key}: ") for v in values]
 
 
+# the storage options (issue 47), shared by MARS, MARS-M and LAMB
+_STORAGE = {
+    "state_dtype": _named("state_dtype", torch.int64),
+}
+
+
 def _flags(owner):
     return {flag: [({flag: True}, rf"^{owner}: {flag}=True is not supported")]
             for flag in ("fused", "capturable", "differentiable")}
@@ -127,6 +133,7 @@ _LAMB = {
     "weight_decay": _named("weight_decay", -0.1),
     "maximize": _named("maximize", "yes"),
     "foreach": _named("foreach", "sometimes"),
+    **_STORAGE,
     **_flags("LAMB"),
 }
 
@@ -155,6 +162,7 @@ _MARS_M = {
     "foreach": _named("foreach", "sometimes"),
     "compiled": _named("compiled", "group"),
     "orthogonalize_on": _named("orthogonalize_on", "nowhere"),
+    **_STORAGE,
     # changed after the group has state: its stacks no longer fit (issue 45: the group of
     # rule "mars_m" is the last, and the earlier groups must not have stepped)
     "matrix_batch_dims": _named("matrix_batch_dims", -1, "1") + [
@@ -186,7 +194,7 @@ _MARS = {
     "ns_dtype": _named("ns_dtype", torch.int32),
     "ns_coefficients": _named("ns_coefficients", "fast"),
     "weight_decay_1d_source": _named("weight_decay_1d_source", "model"),
-    "state_dtype": _named("state_dtype", torch.int64),
+    **_STORAGE,
     "maximize": _named("maximize", "no"),
     "foreach": _named("foreach", "sometimes"),
     "compiled": _named("compiled", "always"),

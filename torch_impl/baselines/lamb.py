@@ -26,6 +26,9 @@ torch.optim conventions (as ``torch.optim.AdamW``):
   ``tensor_ops.scalar_operand``, since torch's CPU ``_foreach_mul_`` would round it to
   bf16 / fp16 first); False the loop; None (default) chooses like torch: foreach when every
   parameter is a CUDA tensor, the loop otherwise (the CPU gains nothing from foreach).
+* ``state_dtype``: the dtype m and v are stored in, as MARS's (``common/state_storage.py``):
+  a step computes in the wider of it and the parameter's dtype and writes back once
+  (``None``: the parameter's dtype).  Complex parameters take none (their state is complex).
 * ``fused``, ``capturable``, ``differentiable`` are accepted and stored like torch's, but
   only off (``fused=None``/``False``, ``capturable=False``, ``differentiable=False``): this
   LAMB has no fused kernel, reads its step count on the host and is not differentiable, so
@@ -39,6 +42,7 @@ group. A sparse gradient is refused (``RuntimeError``) before any parameter or s
 """
 import torch
 
+from ..common import state_storage
 from ..common.scalars import step_scalar
 from ..common.tensor_ops import scalar_operand
 from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
@@ -49,6 +53,8 @@ __all__ = ["LAMB"]
 # (also what an older state_dict without the keyword loads as)
 _OPTION_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
                     "differentiable": False, "fused": None}
+# a state_dict from before these keywords loads with the constructor's
+_STORAGE_OPTIONS = ("state_dtype",)
 
 
 def _check_group(group):
@@ -129,6 +135,7 @@ class LAMB(torch.optim.Optimizer):
             writes into them (``fill_``) never recompiles the step.
         eps: added to sqrt(v_hat) (>= 0). weight_decay: lambda (>= 0), inside the
             trust-ratio update as in the LAMB paper.
+        state_dtype: the state's storage dtype (module docstring; default ``None``).
         maximize: ascend the objective (default False).
         foreach: None (default; foreach on CUDA, the loop otherwise), True or False
             (module docstring).
@@ -140,10 +147,10 @@ class LAMB(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False,
-                 fused=None):
+                 state_dtype=None, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        state_dtype=state_dtype, maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused)
         _check_group(defaults)
         super().__init__(params, defaults)
@@ -154,12 +161,25 @@ class LAMB(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
+        try:  # the storage options against the group's parameters, once torch listed them
+            state_storage.check_storage(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict):
+        """``Optimizer.load_state_dict`` keeping ``state_dtype`` (torch would cast the state to
+        the parameter's dtype; ``state_storage.load_state_dict_keeping_storage``)."""
+        state_storage.load_state_dict_keeping_storage(self, super().load_state_dict,
+                                                      state_dict)
 
     def __setstate__(self, state):
         super().__setstate__(state)
         for group in self.param_groups:  # a state_dict saved before these keywords existed
             for key, value in _OPTION_DEFAULTS.items():
                 group.setdefault(key, value)
+            for key in _STORAGE_OPTIONS:  # the constructor's (as MARS back-fills them)
+                group.setdefault(key, self.defaults[key])
 
     @staticmethod
     def _use_foreach(group, params):
@@ -171,24 +191,25 @@ class LAMB(torch.optim.Optimizer):
         """Append the group's live tensors (real views) and step counters to the given lists,
         creating state lazily: torch.optim's protocol, which ``torch.compile`` runs eagerly
         at trace time (so the first step's state creation is not a graph of its own)."""
-        for p, state in self._create_state([p for p in group["params"] if p.grad is not None]):
+        for p, state in self._create_state(group, [p for p in group["params"]
+                                                   if p.grad is not None]):
             params.append(_real(p))
             grads.append(_real(p.grad))
             ms.append(_real(state["exp_avg"]))
             vs.append(_real(state["exp_avg_sq"]))
             counters.append(state["step"])
 
-    def _create_state(self, params):
+    def _create_state(self, group, params):
         """Yield (p, state) for each of ``params``, creating an empty state first: ``step`` = 0
-        (a float32 CPU tensor), ``exp_avg`` and ``exp_avg_sq`` zeros like ``p``.  Shared by
-        ``_init_group`` (a step) and ``init_state``."""
+        (a float32 CPU tensor), ``exp_avg`` and ``exp_avg_sq`` zeros like ``p`` in the group's
+        ``state_dtype`` (cast when it changed since).
+        Shared by ``_init_group`` (a step) and ``init_state``."""
         for p in params:
             state = self.state[p]
-            if len(state) == 0:
+            if "step" not in state:
                 # The step count lives on the CPU (as in torch.optim): no device sync.
                 state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state_storage.ensure_state(state, p, group, ("exp_avg", "exp_avg_sq"))
             yield p, state
 
     @torch.no_grad()
@@ -210,8 +231,8 @@ class LAMB(torch.optim.Optimizer):
         ``requires_grad=False`` gets none; one that never gets a gradient keeps its zero
         state, and a step without its gradient skips it as always."""
         for group in self.param_groups:
-            for _ in self._create_state([p for p in group["params"]
-                                         if p.requires_grad and not self.state.get(p)]):
+            for _ in self._create_state(group, [p for p in group["params"]
+                                                if p.requires_grad and not self.state.get(p)]):
                 pass
 
     def _check_groups(self):
@@ -221,6 +242,7 @@ class LAMB(torch.optim.Optimizer):
         leaves every parameter, state entry and step counter as it was."""
         for group in self.param_groups:
             _check_group(group)
+            state_storage.check_storage(group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -234,11 +256,19 @@ class LAMB(torch.optim.Optimizer):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("LAMB does not support sparse gradients")
         compiling = torch.compiler.is_compiling()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params, grads, ms, vs, counters = [], [], [], [], []
             self._init_group(group, params, grads, ms, vs, counters)
             for k in counters:
                 k += 1
+            # working copies in each tensor's compute dtype (real tensors only: the storage
+            # options refuse complex ones), rounded back after the update
+            back = state_storage.WriteBack(group, index)
+            states = [self.state[p] for p in group["params"] if p.grad is not None]
+            ms = back.column("exp_avg", ms, params, states)
+            vs = back.column("exp_avg_sq", vs, params, states)
+            grads = back.read(grads, params)
+            params = back.params(params, states)
             # a host read of a CPU counter; traced by torch.compile, the counter itself
             steps = counters if compiling else [int(k.item()) for k in counters]
             if not params:
@@ -251,4 +281,5 @@ class LAMB(torch.optim.Optimizer):
             run(params, grads, ms, vs, steps,
                 dict(group, lr=step_scalar(group["lr"]),
                      betas=tuple(step_scalar(b) for b in group["betas"])))
+            back.finish()
         return loss

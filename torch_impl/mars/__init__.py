@@ -6,7 +6,8 @@
 * ``mars_compiled.py``, ``mars_m_compiled.py`` -- the compiled step;
 * ``functional.py`` -- the list API (``torch_impl.mars.functional.mars(params, grads, ...)``,
   also ``from torch_impl import functional``);
-* ``exact_mode.py``, ``state_dtype.py`` -- exact MARS's second gradient and low-precision state.
+* ``exact_mode.py`` -- exact MARS's second gradient (the state's storage and rounding:
+  ``common/state_storage.py``).
 """
 from .mars import MARS
 from .mars_m import MARS_M, MARS_M_Efficient, MARSM

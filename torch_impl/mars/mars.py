@@ -8,7 +8,7 @@ from . import exact_mode
 from . import functional
 from . import mars_equations
 from ..common.sharding import ORTHOGONALIZE_ON
-from .state_dtype import shield_state_dtype, unshield_state_dtype, working_copies
+from ..common import state_storage
 from ..common.validation import check_betas as _check_betas, check_choice as _check_choice, \
     check_matrix_batch_dims, check_ns_coefficients, check_number as _check_number, \
     check_shared, check_torch_flags as _check_torch_flags, tensor_scalar
@@ -244,18 +244,10 @@ class MARS(Optimizer):
     def load_state_dict(self, state_dict):
         """``Optimizer.load_state_dict``, keeping a ``state_dtype`` that differs from the
         parameter's dtype (torch casts every floating state tensor to the parameter's dtype,
-        which would round float32 state of a bf16 parameter).  The caller's
-        ``register_load_state_dict_pre_hook`` hooks run first and are honoured: the state is
-        taken from the dict they return, through torch's own id map: a pre-hook of ours, run
-        after theirs, wraps the state of every group with a ``state_dtype`` so that torch's
-        cast passes it by, and a post-hook, run before theirs, unwraps it in that dtype."""
-        pre = self.register_load_state_dict_pre_hook(shield_state_dtype)  # after the caller's
-        post = self.register_load_state_dict_post_hook(unshield_state_dtype, prepend=True)
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            pre.remove()
-            post.remove()
+        which would round float32 state of a bf16 parameter), the caller's load hooks
+        honoured (``state_storage.load_state_dict_keeping_storage``)."""
+        state_storage.load_state_dict_keeping_storage(self, super().load_state_dict,
+                                                      state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -288,13 +280,14 @@ class MARS(Optimizer):
         self._check_gradients()
         exact_mode.forget_missing_gradients(self)  # (M2): no gradient at t-1 is g_{t-1} = 0
         work = []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = [], [], [], [], []
             last_grads, steps, kinds, scales = [], [], [], []
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                              last_grads, steps, kinds, scales)
-            work.append(_group_work(group, params, grads, exp_avgs, exp_avg_sqs,
-                                    max_exp_avg_sqs, last_grads, steps, kinds, scales))
+            work.append(_group_work(group, index, [self.state[p] for p in params], params,
+                                    grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads,
+                                    steps, kinds, scales))
         total = mars_equations.global_norm([
             n for group, w in zip(self.param_groups, work) if group["clip_scope"] == "global"
             for n in functional.corrected_norms(w.grads, w.last_grads, w.kinds, group["gamma"],
@@ -313,8 +306,7 @@ class MARS(Optimizer):
                 compiled=group["compiled"], write_last_grad=not exact, global_clip_norm=total,
                 shampoo_scales=w.scales, orthogonalize_on=group["orthogonalize_on"],
                 matrix_batch_dims=group["matrix_batch_dims"])
-            for stored, working in w.write_back:  # computed in a wider dtype than stored
-                stored.copy_(working)
+            w.write_back.finish()  # computed in a wider dtype than stored: round back
         return loss
 
     def _check_gradients(self):
@@ -357,16 +349,12 @@ class MARS(Optimizer):
         same state."""
         for p in params:
             kind = _route(p, group)
-            st, dtype = self.state[p], group["state_dtype"] or p.dtype
+            st = self.state[p]
             buffers = ["exp_avg"]
             buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, mars_equations.FALLBACK) else []
             buffers += ["max_exp_avg_sq"] if kind == mars_equations.ADAMW and group["amsgrad"] else []
             buffers += ["last_grad"] if kind != mars_equations.FALLBACK else []
-            for name in buffers:  # lazily: a buffer that a later option needs appears then
-                if name not in st:
-                    st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                elif st[name].dtype != dtype:  # the group's state_dtype changed since (or a
-                    st[name] = st[name].to(dtype)  # state set by hand): it holds from now on
+            state_storage.ensure_state(st, p, group, buffers)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
             yield p, kind, st, buffers
@@ -459,7 +447,7 @@ class MARS(Optimizer):
 
 class _GroupWork(NamedTuple):
     """One group's columns for ``functional.mars``, in the step's compute dtype, and the
-    (stored, working) pairs to copy back after the update."""
+    ``WriteBack`` that puts them back after the update."""
     params: list
     grads: list
     exp_avgs: list
@@ -472,18 +460,17 @@ class _GroupWork(NamedTuple):
     write_back: list
 
 
-def _group_work(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads,
-                steps, kinds, scales):
-    """The columns in each tensor's compute dtype, the wider of the parameter's dtype and
-    ``state_dtype``: working copies where a stored tensor is narrower (written back, rounded to
-    the stored dtype, after the update); gradients are only read."""
-    write_back = []
-    dtypes = [torch.promote_types(p.dtype, group["state_dtype"] or p.dtype) for p in params]
-    columns = [working_copies(c, dtypes, write_back)
-               for c in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, last_grads)]
-    grads = working_copies(grads, dtypes, None)
-    return _GroupWork(columns[0], grads, columns[1], columns[2], columns[3], columns[4], steps,
-                      kinds, scales, write_back)
+def _group_work(group, index, states, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                last_grads, steps, kinds, scales):
+    """The columns in each tensor's compute dtype (``state_storage.compute_dtype``): working
+    copies where a stored tensor is narrower, written back after the update
+    (``state_storage.WriteBack``); gradients are only read."""
+    back = state_storage.WriteBack(group, index)
+    columns = [back.column(name, c, params, states) for name, c in (
+        ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
+        ("max_exp_avg_sq", max_exp_avg_sqs), ("last_grad", last_grads))]
+    return _GroupWork(back.params(params, states), back.read(grads, params), *columns, steps,
+                      kinds, scales, back)
 
 
 def _route(p, group):
@@ -528,8 +515,7 @@ def _validate_group(g):
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     check_matrix_batch_dims(g, mars_equations.matrix_batch_dims_of)
-    if g["state_dtype"] is not None:
-        _check_choice("state_dtype", g["state_dtype"], NS_DTYPES)
+    state_storage.check_storage(g)  # state_dtype
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode
         g["compiled"] = "tensor"
     if g["compiled"] not in (False, "tensor", "group"):

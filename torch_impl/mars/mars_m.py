@@ -9,6 +9,7 @@ from . import exact_mode
 from . import mars_equations
 from . import mars_m_equations
 from .functional import mars_m
+from ..common import state_storage
 from ..common.sharding import ORTHOGONALIZE_ON
 from ..common.validation import (check_betas, check_choice, check_int, check_matrix_batch_dims,
                                  check_ns_coefficients, check_number, check_shared,
@@ -103,6 +104,10 @@ class MARSM(Optimizer):
             longest-first on its Newton-Schulz flops; two ``all_to_all`` per step and group)
             or ``"every_rank"`` (all-gather each matrix; every rank runs every one). Same
             result; plain tensors are unaffected; ``compiled=True`` keeps ``"every_rank"``.
+        state_dtype: the dtype ``momentum_buffer``, ``last_grad``, ``moment1`` and
+            ``moment2`` are stored in, as ``MARS``'s (``common/state_storage.py``): a step
+            computes in the wider of it and the parameter's dtype and writes back once.
+            Default ``None``: the parameter's dtype.
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
         compiled (bool): one ``torch.compile``d call per shape (``mars_m_compiled.py``; the
             same equation functions), fusing the corrections with one batched Newton-Schulz
@@ -131,14 +136,16 @@ class MARSM(Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, ns_steps=5,
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
-                 ns_coefficients="authors", orthogonalizer="newton_schulz", shape_layout="out_in", maximize=False, foreach=None, compiled=False,
+                 ns_coefficients="authors", orthogonalizer="newton_schulz", shape_layout="out_in",
+                 state_dtype=None, maximize=False, foreach=None, compiled=False,
                  orthogonalize_on="owner", matrix_batch_dims=0, fused=None, capturable=False,
                  differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                         gamma=gamma, clip_c=clip_c, is_approx=is_approx, adamw_betas=adamw_betas,
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
                         ns_coefficients=ns_coefficients, orthogonalizer=orthogonalizer,
-                        shape_layout=shape_layout, maximize=maximize, foreach=foreach,
+                        shape_layout=shape_layout, state_dtype=state_dtype,
+                        maximize=maximize, foreach=foreach,
                         compiled=compiled, orthogonalize_on=orthogonalize_on,
                         matrix_batch_dims=matrix_batch_dims, fused=fused,
                         capturable=capturable,
@@ -170,7 +177,9 @@ class MARSM(Optimizer):
         _tensor_steps(self.state)
 
     def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+        """``Optimizer.load_state_dict`` keeping ``state_dtype`` (as ``MARS``'s)."""
+        state_storage.load_state_dict_keeping_storage(self, super().load_state_dict,
+                                                      state_dict)
         _tensor_steps(self.state)  # the authors' checkpoints keep a Python int
 
     @property
@@ -202,9 +211,15 @@ class MARSM(Optimizer):
                     loss = closure()
         self._check_gradients()  # every group's, before the first group changes
         exact_mode.forget_missing_gradients(self)  # (M2): no gradient at t-1 is g_{t-1} = 0
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params, grads, bufs, lasts, m1, m2, steps, kinds = [], [], [], [], [], [], [], []
             self._init_group(group, params, grads, bufs, lasts, m1, m2, steps, kinds)
+            back = state_storage.WriteBack(group, index)  # working copies: compute dtype
+            states = [self.state[p] for p in params]
+            bufs, lasts, m1, m2 = (back.column(name, c, params, states) for name, c in (
+                ("momentum_buffer", bufs), ("last_grad", lasts), ("moment1", m1),
+                ("moment2", m2)))
+            params, grads = back.params(params, states), back.read(grads, params)
             mars_m(params, grads, bufs, lasts, m1, m2, steps, kinds,
                    lr=group["lr"], weight_decay=group["weight_decay"],
                    momentum=group["momentum"], gamma=group["gamma"],
@@ -215,6 +230,7 @@ class MARSM(Optimizer):
                    foreach=group["foreach"], compiled=group["compiled"],
                    orthogonalize_on=group["orthogonalize_on"], write_last_grad=not exact,
                    matrix_batch_dims=group["matrix_batch_dims"])
+            back.finish()  # each copy rounded back into its stored tensor
         return loss
 
     def _check_gradients(self):
@@ -272,9 +288,7 @@ class MARSM(Optimizer):
             names = {mars_m_equations.MATRIX: ("momentum_buffer", "last_grad"),
                      mars_m_equations.EFFICIENT: ("momentum_buffer",),
                      mars_m_equations.BACKUP: ("moment1", "moment2")}[kind]
-            for name in names:
-                if name not in st:
-                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state_storage.ensure_state(st, p, group, names)
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
             yield p, kind, st
@@ -351,6 +365,7 @@ def _validate_group(g):
     if not isinstance(g["compiled"], bool):
         raise ValueError(f"compiled: expected a bool, got {g['compiled']!r}")
     check_torch_flags("MARSM", g)
+    state_storage.check_storage(g)  # state_dtype
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
         raise ValueError(f"ns_steps: expected an int >= 1, got {g['ns_steps']!r}")
     if g["efficient"] and not g["is_approx"]:

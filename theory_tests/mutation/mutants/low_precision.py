@@ -6,6 +6,10 @@ __all__ = ["MUTANTS"]
 
 R_ROUND = "reference/common/rounding.py"
 T_ROUND = "torch_impl/common/rounding.py"
+T_LAMB = "torch_impl/baselines/lamb.py"
+T_MARS_M = "torch_impl/mars/mars_m.py"
+_KEEPING = ("        state_storage.load_state_dict_keeping_storage(self, super().load_state_dict,\n"
+            "                                                      state_dict)\n")
 
 MUTANTS = {
     "LP1": [
@@ -31,5 +35,19 @@ MUTANTS = {
                "        h = h or _splitmix64(h ^ (int(w) & _MASK64))"),
         # the seed not used: the generator's default stream for every write
         Mutant(T_ROUND, "    g.manual_seed(seed)\n", "    g.manual_seed(0)\n"),
+    ],
+    # state_dtype on MARS-M and LAMB (MARS's own mutants: mutants/mars.py, same row)
+    "PORT-STATE-DTYPE": [
+        # the working copies never written back: the stored state stays as it was
+        Mutant(T_MARS_M, "            back.finish()  # each copy rounded back into its stored tensor",
+               "            pass  # each copy rounded back into its stored tensor"),
+        Mutant(T_LAMB, "            back.finish()\n", "            pass\n"),
+        # torch's own load: the state cast to the parameter's dtype
+        Mutant(T_MARS_M, _KEEPING, "        super().load_state_dict(state_dict)\n"),
+        Mutant(T_LAMB, _KEEPING, "        super().load_state_dict(state_dict)\n"),
+        # LAMB's state created in the parameter's dtype whatever state_dtype says
+        Mutant(T_LAMB, '            state_storage.ensure_state(state, p, group, ("exp_avg", "exp_avg_sq"))',
+               '            state_storage.ensure_state(state, p, dict(group, state_dtype=None), '
+               '("exp_avg", "exp_avg_sq"))'),
     ],
 }

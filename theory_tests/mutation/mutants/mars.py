@@ -19,7 +19,7 @@ T_MARS_EQUATIONS = "torch_impl/mars/mars_equations.py"
 T_MARS_M = "torch_impl/mars/mars_m.py"
 T_MARS_M_COMPILED = "torch_impl/mars/mars_m_compiled.py"
 T_MARS_M_EQUATIONS = "torch_impl/mars/mars_m_equations.py"
-T_STATE_DTYPE = "torch_impl/mars/state_dtype.py"
+T_STATE_STORAGE = "torch_impl/common/state_storage.py"
 
 COMPILED = ("theory_tests/mars/test_matrix_batch_dims.py::test_compiled_steps_a_stack_as_its_matrices",)
 _CO = "theory_tests/mars/test_compiled_options.py::"
@@ -114,16 +114,16 @@ MUTANTS = {
     ],
     "PORT-STATE-DTYPE": [
         # a saved group without the key: torch casts the state to the parameter's dtype
-        Mutant(T_STATE_DTYPE, "        dtype = group.get(\"state_dtype\", optimizer.defaults.get(\"state_dtype\"))",
+        Mutant(T_STATE_STORAGE, "        dtype = group.get(\"state_dtype\", optimizer.defaults.get(\"state_dtype\"))",
                "        dtype = group.get(\"state_dtype\")"),
-        Mutant(T_MARS, "                elif st[name].dtype != dtype:", "                elif False:"),
-        Mutant(T_MARS, "    dtypes = [torch.promote_types(p.dtype, group[\"state_dtype\"] or p.dtype) for p in params]",
-               "    dtypes = [group[\"state_dtype\"] or p.dtype for p in params]"),
-        Mutant(T_MARS, "                stored.copy_(working)", "                stored.copy_(stored)"),
-        Mutant(T_MARS, "        pre = self.register_load_state_dict_pre_hook(shield_state_dtype)  # after the caller's",
-               "        pre = self.register_load_state_dict_pre_hook(shield_state_dtype, prepend=True)  # after the caller's"),
-        Mutant(T_MARS, "        post = self.register_load_state_dict_post_hook(unshield_state_dtype, prepend=True)",
-               "        post = self.register_load_state_dict_post_hook(unshield_state_dtype, prepend=False)"),
+        Mutant(T_STATE_STORAGE, "        elif st[name].dtype != dtype:", "        elif False:"),
+        Mutant(T_STATE_STORAGE, "    dtype = torch.promote_types(p.dtype, stored_dtype(p, group))",
+               "    dtype = stored_dtype(p, group)"),
+        Mutant(T_STATE_STORAGE, "            stored.copy_(working)", "            stored.copy_(stored)"),
+        Mutant(T_STATE_STORAGE, "    pre = optimizer.register_load_state_dict_pre_hook(shield_state_dtype)  # after the caller's",
+               "    pre = optimizer.register_load_state_dict_pre_hook(shield_state_dtype, prepend=True)  # after the caller's"),
+        Mutant(T_STATE_STORAGE, "    post = optimizer.register_load_state_dict_post_hook(unshield_state_dtype, prepend=True)",
+               "    post = optimizer.register_load_state_dict_post_hook(unshield_state_dtype, prepend=False)"),
     ],
     "PORT-MISSING-GRAD": [
         # approx mode keeps the g of the last step the tensor took part in
@@ -527,7 +527,7 @@ MUTANTS = {
                        'mars_equations.FALLBACK) else []',
                '            buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, '
                'mars_equations.FALLBACK, mars_equations.LION) else []'),
-        Mutant("torch_impl/mars/state_dtype.py", '            if dtype is None or i not in state_dict["state"]:',
+        Mutant(T_STATE_STORAGE, '            if dtype is None or i not in state_dict["state"]:',
                '            if dtype is not None or i not in state_dict["state"]:'),
         Mutant(T_MARS, '                st["step"] = torch.tensor(float(st["step"]))',
                '                st["step"] = st["step"]'),
