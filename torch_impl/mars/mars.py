@@ -110,6 +110,22 @@ class MARS(Optimizer):
             ``previous_grad`` keep the parameter's and the gradient's dtype.
             ``load_state_dict`` keeps the state in ``state_dtype`` (torch would cast it to the
             parameter's dtype).  Default ``None``: the parameter's own dtype.
+        state_rounding: how a working copy w is written back into a narrower stored tensor:
+            ``"nearest"`` (default; RN(w), the behaviour before the option) or
+            ``"stochastic"`` (LP1): the step computes in float32 at least and every narrower
+            write -- each state buffer, a 16-bit parameter, exact
+            mode's g_prev in ``last_grad`` -- stores
+            :math:`\mathrm{SR}(w) = hi` if :math:`u < (w - lo)/(hi - lo)` else :math:`lo`
+            (lo <= w <= hi adjacent stored values; :math:`\mathbb{E}\,\mathrm{SR}(w) = w`),
+            u from the stream (LP2) ``stream_seed(rounding_seed, group index, position in the
+            group, name_word(key), t)``, key the state key (``"param"``: the parameter;
+            ``"g_prev"``: exact mode's refill), t the tensor's step count after the step.
+            Needs bf16 / fp16 state in every tensor of the group (``state_dtype``, or the
+            parameters' own dtype), else a ValueError (``paper_notes/low_precision.md``).
+        rounding_seed (int or None): the streams' seed, kept in the group (and so in
+            ``state_dict``: a resumed run is the uninterrupted one, bit for bit).  ``None``:
+            one draw of torch's default generator when the optimizer first rounds
+            stochastically (an optimizer that never does draws nothing).
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
         compiled (bool or str): ``True`` / ``"tensor"``: run each tensor's elementwise step as
@@ -181,7 +197,8 @@ class MARS(Optimizer):
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, ns_coefficients="authors",
                  weight_decay_1d_source="constructor",
-                 state_dtype=None, maximize=False, foreach=None, compiled=False,
+                 state_dtype=None, state_rounding="nearest", rounding_seed=None,
+                 maximize=False, foreach=None, compiled=False,
                  shape_layout="out_in", orthogonalize_on="owner", matrix_batch_dims=0,
                  fused=None, capturable=False, differentiable=False):
         lr_value = _lr_value(lr)
@@ -198,7 +215,9 @@ class MARS(Optimizer):
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
                         weight_decay_1d_source=weight_decay_1d_source,
-                        state_dtype=state_dtype, maximize=maximize, foreach=foreach,
+                        state_dtype=state_dtype, state_rounding=state_rounding,
+                        rounding_seed=rounding_seed,
+                        maximize=maximize, foreach=foreach,
                         compiled=compiled, shape_layout=shape_layout,
                         orthogonalize_on=orthogonalize_on, matrix_batch_dims=matrix_batch_dims,
                         fused=fused,
@@ -222,6 +241,7 @@ class MARS(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        state_storage.resolve_rounding_seed(self, self.param_groups[-1])
 
     def _check_groups(self):
         """Every group's hyperparameters, as ``add_param_group`` checks them: they are read
@@ -231,6 +251,8 @@ class MARS(Optimizer):
         for group in self.param_groups:
             _validate_group(group)
         check_shared("is_approx", self.param_groups, _ONE_MODE)
+        for group in self.param_groups:  # a group turned stochastic since: the seed it uses
+            state_storage.resolve_rounding_seed(self, group)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -515,7 +537,7 @@ def _validate_group(g):
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     check_matrix_batch_dims(g, mars_equations.matrix_batch_dims_of)
-    state_storage.check_storage(g)  # state_dtype
+    state_storage.check_storage(g)  # state_dtype, state_rounding, rounding_seed
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode
         g["compiled"] = "tensor"
     if g["compiled"] not in (False, "tensor", "group"):
