@@ -129,6 +129,9 @@ MUTANTS = {
                '{"positive": "better", "negative": "worse"}'),
         # the seed noise's SE without its sqrt(n)
         Mutant(F_LOWP, "reference_se=sd / math.sqrt(len(ref))", "reference_se=sd"),
+        # the stochastic curve rounded to nearest: two nearest curves, no stochastic one
+        Mutant(F_LOWP, '_mars("bf16 stochastic", BF16, ("state_rounding", "stochastic"))',
+               '_mars("bf16 stochastic", BF16, ("state_rounding", "nearest"))'),
         # MARS's default beta2 = 0.99, where nearest barely stalls: not the figure's setting
         Mutant(F_LOWP, "BETAS = (0.95, 0.999)", "BETAS = (0.95, 0.99)"),
         # a tensor of exactly one block sent to the float32 group
