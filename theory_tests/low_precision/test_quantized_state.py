@@ -4,6 +4,7 @@ the LP4 quantizer applied at the same points (``theory_tests/support/quantized_o
 the stored codes equal, the scales and the parameters within float32 rounding, over a few
 steps; the state_dict round trip bit for bit; the errors for bad input; the bytes per
 parameter read from ``state_dict()``."""
+import copy
 import inspect
 
 import numpy as np
@@ -63,7 +64,11 @@ def _compare(oracle, opt, params, xs_port, xs_oracle, margin, atol):
         for pa, pb in zip(a, b):
             np.testing.assert_allclose(pa, pb, rtol=0, atol=atol)
     for name, stored in oracle.stored.items():
+        # the oracle's names: MARS-M's matrix buffer "buf", its AdamW backup's "exp_avg" /
+        # "exp_avg_sq"; the port keeps the authors' "momentum_buffer", "moment1", "moment2"
         torch_name = "momentum_buffer" if name == "buf" else name
+        if isinstance(opt, MARSM):
+            torch_name = {"exp_avg": "moment1", "exp_avg_sq": "moment2"}.get(name, torch_name)
         for i, (q, s) in stored.items():
             st = opt.state[params[i]]
             assert np.array_equal(st[f"{torch_name}_codes"].numpy(), q), (torch_name, i)
@@ -131,7 +136,7 @@ def test_state_dict_round_trip_is_bit_for_bit_and_keeps_the_scales_float32(dtype
         return MARS(ps, lr=1e-2, state_quantization="blockwise8", block_size=BLOCK)
 
     opt, params, _ = _run_port(make, x0, grads[:2], dtype)
-    saved = opt.state_dict()
+    saved = copy.deepcopy(opt.state_dict())  # torch's load shares same-dtype tensors with it
     twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     twin = make(twin_params)
     twin.load_state_dict(saved)
