@@ -83,7 +83,7 @@ TORCH_ONLY = {
     "mkor.rank_k": {"group_row_sums", "vectors_from_group_sums", "group_vectors"},
     # the random streams (LP2): the oracle takes its uniforms as given
     "common.rounding": {"stochastic_round_with_uniform", "stream_seed", "name_word",
-                        "default_rounding_seed"},
+                        "default_rounding_seed", "agreed_rounding_seed"},
 }
 
 # Port functions whose oracle has the same name in a module of reference/ that is not their

@@ -24,7 +24,7 @@ import hashlib
 import torch
 
 __all__ = ["stochastic_round", "stochastic_round_with_uniform", "stream_seed", "name_word",
-           "default_rounding_seed", "ROUNDING_DTYPES"]
+           "default_rounding_seed", "agreed_rounding_seed", "ROUNDING_DTYPES"]
 
 # the narrow types a state may be stored in with stochastic rounding
 ROUNDING_DTYPES = (torch.bfloat16, torch.float16)
@@ -57,6 +57,22 @@ def default_rounding_seed():
     """One draw from torch's default CPU generator: ``torch.manual_seed`` fixes it, and two
     optimizers built one after the other get different streams."""
     return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+
+
+def agreed_rounding_seed():
+    """``default_rounding_seed()``, and under ``torch.distributed`` (initialised, world size > 1)
+    rank 0's draw on every rank (one broadcast, at construction): replicated state (DDP) must
+    round identically on every rank, and ranks whose torch generators differ would otherwise
+    draw different seeds and let the replicas drift apart in silence."""
+    seed = default_rounding_seed()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+        box = torch.tensor([seed], dtype=torch.int64, device=device)
+        dist.broadcast(box, src=0)
+        seed = int(box.item())  # at construction, not in a step
+    return seed
 
 
 def _check(x, dtype):

@@ -21,7 +21,7 @@ read), and writes each copy w back into its stored tensor s once, after the upda
   no device sync) and ``name`` the state key (``"exp_avg"``, ``"momentum_buffer"``, ...) or
   ``"param"`` for a 16-bit parameter; exact mode's refill of ``last_grad`` with g_prev for
   step t is the stream ``"g_prev"``, t.  Two tensors, buffers, steps or optimizers (whose
-  ``rounding_seed`` is drawn by ``default_rounding_seed``) never share a stream, and a
+  ``rounding_seed`` is drawn by ``agreed_rounding_seed``) never share a stream, and a
   resumed run needs nothing beyond ``state_dict``.  A DTensor's local shard is rounded with
   the rank's mesh coordinate as further words;
 * ``kahan_sum`` (LP3), a 16-bit parameter p with compensation c (``kahan_comp``, p's dtype):
@@ -37,7 +37,7 @@ import torch
 
 from . import quantized_state
 from .quantized_state import Quantized
-from .rounding import ROUNDING_DTYPES, default_rounding_seed, name_word, stochastic_round, \
+from .rounding import ROUNDING_DTYPES, agreed_rounding_seed, name_word, stochastic_round, \
     stream_seed
 from .sharding import is_dtensor
 from .validation import check_bool, check_choice
@@ -93,13 +93,14 @@ def _check_roundable(p, dtype):
 
 def resolve_rounding_seed(optimizer, group):
     """A stochastic group's ``rounding_seed=None`` becomes the optimizer's seed: one draw of
-    ``default_rounding_seed()`` per optimizer, at its first stochastic group (in the
-    constructor, as a rule), kept in every such group and so in ``state_dict``.  An optimizer
+    ``agreed_rounding_seed()`` per optimizer (under ``torch.distributed`` rank 0's draw, so
+    DDP's replicated state rounds the same on every rank), at its first stochastic group (in
+    the constructor, as a rule), kept in every such group and so in ``state_dict``.  An optimizer
     that never rounds stochastically draws nothing: torch's random stream stays as it was."""
     if group["state_rounding"] != "stochastic" or group["rounding_seed"] is not None:
         return
-    if optimizer.defaults.get("rounding_seed") is None:
-        optimizer.defaults["rounding_seed"] = default_rounding_seed()
+    if optimizer.defaults.get("rounding_seed") is None:  # distributed: rank 0's, on every rank
+        optimizer.defaults["rounding_seed"] = agreed_rounding_seed()
     group["rounding_seed"] = optimizer.defaults["rounding_seed"]
 
 

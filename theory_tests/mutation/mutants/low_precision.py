@@ -87,8 +87,12 @@ MUTANTS = {
         # the step computes in the narrow dtype (bf16 parameters with bf16 state)
         Mutant(T_STORAGE, "        dtype = torch.promote_types(dtype, torch.float32)", "        dtype = dtype"),
         # every optimizer takes the same default stream
-        Mutant(T_STORAGE, '        optimizer.defaults["rounding_seed"] = default_rounding_seed()',
+        Mutant(T_STORAGE, '        optimizer.defaults["rounding_seed"] = agreed_rounding_seed()',
                '        optimizer.defaults["rounding_seed"] = 0'),
+        # distributed ranks keep their own draws: DDP replicas round differently and drift
+        Mutant(T_ROUND, "        dist.broadcast(box, src=0)\n", "        pass\n",
+               tests=("theory_tests/low_precision/test_state_rounding_ranks.py::"
+                      "test_ranks_with_different_generators_agree_on_the_seed_and_the_state",)),
         # exact mode's g_prev refill written to nearest
         Mutant(T_STORAGE, "            value.dtype.itemsize > stored.dtype.itemsize:",
                "            False:"),
