@@ -8,4 +8,4 @@ line back (``theory_tests/project/test_import_graph.py`` checks that no such cir
 """
 FIGURES = ("noisy_quadratic", "variance_reduction", "mnist1d_mlp", "digits_cnn",
            "shakespeare_gpt", "cost", "bert_mlm", "rank1_approximation", "budget_scan",
-           "orthogonalisers", "curvature_distance")
+           "orthogonalisers", "curvature_distance", "low_precision")

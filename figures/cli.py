@@ -58,7 +58,7 @@ how each tolerance was derived: figures/README.md, section "Reproducibility"."""
 QUICK_SECONDS = {"orthogonalisers": 304, "shakespeare_gpt": 251, "budget_scan": 38,
                  "mnist1d_mlp": 34, "bert_mlm": 16, "digits_cnn": 12, "rank1_approximation": 7,
                  "cost": 5, "noisy_quadratic": 5, "variance_reduction": 3,
-                 "curvature_distance": 30}
+                 "curvature_distance": 30, "low_precision": 30}
 # Seconds of drawing a split figure from its saved parts (nothing is trained; under a second
 # measured), for the progress estimate only.
 DRAW_SECONDS = 1

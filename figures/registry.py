@@ -155,6 +155,18 @@ def _backbone(name, params, lr):
     return torch.optim.AdamW(params, lr=lr, **DEFAULTS["AdamW"])
 
 
+def _quantization_groups(params, kw):
+    """``params`` as MARS's groups: one, or with ``state_quantization`` the tensors smaller
+    than a block in a second group of float32 state (MARS refuses to quantize them)."""
+    if not kw.get("state_quantization"):
+        return params
+    block = kw.get("block_size", 256)
+    big = [p for p in params if p.numel() >= block]
+    small = [p for p in params if p.numel() < block]
+    return [dict(params=big)] + ([dict(params=small, state_quantization=None, state_dtype=None)]
+                                 if small else [])
+
+
 def build(spec, model, lr):
     """The Stepper of ``spec`` on ``model`` at learning rate ``lr`` (public APIs only)."""
     kw, base, params = spec.kwargs(), spec.base, list(model.parameters())
@@ -184,9 +196,10 @@ def build(spec, model, lr):
             opts.append(torch.optim.AdamW(rest, lr=adamw_lr, **DEFAULTS["AdamW"]))
         return Stepper(opts)
     if base.startswith("MARS"):
-        if "ns_dtype" in kw:
-            kw["ns_dtype"] = getattr(torch, kw["ns_dtype"])
-        return Stepper([MARS(params, lr=lr, **kw)])
+        for key in ("ns_dtype", "state_dtype"):  # names in the spec (its JSON), dtypes here
+            if isinstance(kw.get(key), str):
+                kw[key] = getattr(torch, kw[key])
+        return Stepper([MARS(_quantization_groups(params, kw), lr=lr, **kw)])
     backbone = _backbone(kw.pop("backbone"), params, lr)
     if base == "K-FAC":
         return Stepper([backbone], KFAC(model, backbone, **kw))

@@ -176,6 +176,11 @@ REPRO = {
     "curvature_distance": Repro(why="panel 1's distances are float64 brute force and "
                                     "factors of fixed networks, within the 1e-6 floor; "
                                     "panel 2's curves: figure 4's rule"),
+    # bf16 state: a last-bit difference of a gradient can flip a rounding of the state (one
+    # bf16 ulp), yet 2 threads moved the quick curves by 0.028 of half their seed sd
+    "low_precision": Repro(why="2 threads: largest drift 0.028 of the tolerance (39 of 60 "
+                               "values not bit-identical); the AVX2 perturbation is the "
+                               "committed environment itself here"),
     "orthogonalisers": Repro(wide=(("val_loss", 8.0), ("polar_distance", 1.5)),
                              why="bf16 training: val_loss drifted 3.8 seed sd (AVX2, step 20) "
                                  "and the polar distances 0.59 sd (2 threads), so 8 and 1.5 sd "

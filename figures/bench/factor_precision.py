@@ -2,7 +2,7 @@
 the float64 oracle (issue 47 item 3, LP5): per step the kept inverse's errors and the bound.
 
     python -m figures.bench.factor_precision [--dims 64 128 256] [--steps 400]
-        [--streams activations gradients mlp-a mlp-g] [--variant paper] [--json out.json]
+        [--streams activations gradients large mlp-a mlp-g] [--variant paper] [--json out.json]
 
 For each stream, width d and mode, the port's factor recursion
 (:func:`theory_tests.support.factor_precision.run_recursion`: MKOR's ``update_layer_factors``
@@ -17,7 +17,9 @@ float64 oracle's explicit factor L_t (``reference/mkor/factor_precision.py``) an
 * drift: the last quarter's mean epsilon over the second quarter's.
 
 Streams: ``activations`` (a_bar: the mean of a batch of 32 ReLU rows, with the bias's 1),
-``gradients`` (g_bar: small zero-mean vectors), ``mlp-a`` / ``mlp-g`` (the a_bar, d + 1
+``gradients`` (g_bar: small zero-mean vectors), ``large`` (vectors of norm ~ 3 sqrt(d): the
+factor's condition number in the hundreds, where one write's error dominates), ``mlp-a`` /
+``mlp-g`` (the a_bar, d + 1
 entries, and the g_bar of the hidden Linear(d, d) of a ReLU MLP trained by MKOR on a synthetic
 regression, recorded step by step: a real run's vectors). Prints a Markdown table and a JSON
 line.
@@ -34,7 +36,7 @@ from theory_tests.support.factor_precision import (MODES, layer_vectors, mlp_run
 COLUMNS = ("eps_p50", "eps_p90", "eps_max", "e_p50", "e_max", "fired", "disagree",
            "eps_over_bound_max", "bound_p50", "drift")
 SHOWN_MODES = ("float32", "bf16-nearest", "bf16-stochastic")
-STREAMS = ("activations", "gradients", "mlp-a", "mlp-g")
+STREAMS = ("activations", "gradients", "large", "mlp-a", "mlp-g")
 
 
 def _vectors(stream, d, steps, seed):
@@ -78,7 +80,7 @@ def main(argv=None):
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--streams", nargs="+", choices=STREAMS,
-                        default=["activations", "gradients", "mlp-a", "mlp-g"])
+                        default=list(STREAMS))
     parser.add_argument("--variant", default="paper", choices=["paper", "released"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the JSON document here")

@@ -113,6 +113,8 @@ def test_statistics_scale_reads_the_fsdp_groups():
     hands it to MKOR and K-FAC; plain ``fully_shard`` (factor None: world) gives 1.0, a
     factor of 4 on 2 ranks 2.0, a model without FSDP 1.0; groups with different factors,
     or one factor over different group sizes, raise ``ValueError``."""
+    from theory_tests.support.torchtitan_cases import debug_model
+    debug_model()  # built here, once: the forked ranks copy it instead of building it each
     for out in run(_scales, 2, timeout=120):
         assert out == {"none": 1.0, "titan": 0.5, "container MKOR": 0.5,
                        "container KFAC": 0.5, "plain": 1.0, "factor 4": 2.0}

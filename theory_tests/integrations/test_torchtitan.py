@@ -12,6 +12,7 @@
 
 Saved on 2 FSDP2 ranks and resumed on 3: ``theory_tests/distributed/test_torchtitan_fsdp2.py``.
 """
+import copy
 import io
 import warnings
 
@@ -49,11 +50,10 @@ def _train(model, opts, steps):
 
 
 def _snapshot(opts):
-    """Every optimizer's state_dict, copied (a torch.save round trip: no shared tensors)."""
-    buffer = io.BytesIO()
-    torch.save([o.state_dict() for o in opts], buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
+    """Every optimizer's state_dict, copied (no tensor shared with the optimizer; a deep copy,
+    ~10x cheaper in CPU than the torch.save round trip it replaced on MKOR's state; what a
+    torch.save keeps is checked by the flat layout test)."""
+    return copy.deepcopy([o.state_dict() for o in opts])
 
 
 def _params(model):

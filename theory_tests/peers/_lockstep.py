@@ -38,13 +38,14 @@ def _batch(t, dtype, scale):
 
 
 def lockstep(make_peer, make_ours, dtype, steps=len(LR_SCHEDULE), lr=1e-2, target_scale=3.0,
-             seed=0):
+             seed=0, peer_v=None):
     """Run both for ``steps`` steps, lr following ``LR_SCHEDULE`` in every group of both.
 
     ``make_peer(params)`` builds the peer on tensors, ``make_ours(named_params)`` returns an
     ``OurMARS``.  Returns the history: per step, per tensor, a dict with the name, our and the
     peer's iterate after the step, the iterate before it, the step's lr and the peer's
-    ``exp_avg_sq`` after it (``None`` where it keeps none)."""
+    ``exp_avg_sq`` after it (``None`` where it keeps none; ``peer_v(peer, p)`` reads it from a
+    peer that keeps it under another name)."""
     torch.manual_seed(seed)
     peer_model = Net().to(dtype)
     our_model = copy.deepcopy(peer_model)
@@ -68,7 +69,8 @@ def lockstep(make_peer, make_ours, dtype, steps=len(LR_SCHEDULE), lr=1e-2, targe
         mapping.step(ours)
         history.append([dict(name=n, ours=q.detach().clone(), peer=p.detach().clone(),
                              before=b, lr=lr * factor,
-                             v=_clone(peer.state[p].get("exp_avg_sq")))
+                             v=_clone(peer_v(peer, p) if peer_v else
+                                      peer.state[p].get("exp_avg_sq")))
                         for n, p, q, b in zip(names, peer_model.parameters(),
                                               our_model.parameters(), before)])
     return history

@@ -115,9 +115,14 @@ def _named(key, *values):
     return [({key: v}, rf"^{key}: ") for v in values]
 
 
-# the storage options (issue 47), shared by MARS, MARS-M and LAMB
+# the storage options (issue 47), shared by MARS, MARS-M and LAMB: the battery's parameters are
+# float64, so stochastic rounding without a 16-bit state_dtype has nothing to round
 _STORAGE = {
     "state_dtype": _named("state_dtype", torch.int64),
+    "state_rounding": _named("state_rounding", "sometimes") + [
+        ({"state_rounding": "stochastic"}, r"^state_rounding: 'stochastic' rounds state")],
+    "rounding_seed": _named("rounding_seed", -1, "seven"),
+    "kahan_sum": _named("kahan_sum", 1),
 }
 
 

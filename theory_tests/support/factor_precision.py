@@ -12,8 +12,9 @@ inverse would have fired: a disagreement), and the write's signed rounding error
 
 Streams that match what a layer sees (K3, K6): ``"activations"``, the right factor's a_bar =
 [mean of a batch of 32 rows of ReLU(x W^T + b) | 1] (a persistent mean direction, norm^2 ~ d/6);
-``"gradients"``, the left factor's g_bar: small zero-mean vectors (norm ~ 0.3). Or vectors
-recorded from a real run (:func:`mlp_run_vectors`).
+``"gradients"``, the left factor's g_bar: small zero-mean vectors (norm ~ 0.3); ``"large"``,
+vectors of norm ~ 3 sqrt(d) (the regime where one write's error dominates). Or vectors recorded
+from a real run (:func:`mlp_run_vectors`).
 """
 import numpy as np
 import torch
@@ -47,7 +48,9 @@ def layer_vectors(kind, d, steps, seed=0):
         return np.concatenate([np.array(rows), np.ones((steps, 1))], axis=1)
     if kind == "gradients":
         return 0.3 * g.standard_normal((steps, d)) / np.sqrt(d)
-    raise ValueError(f"kind must be 'activations' or 'gradients', got {kind!r}")
+    if kind == "large":  # |v|^2 ~ 9 d: the factor's spectrum spans ~d, kappa_t in the hundreds
+        return 3.0 * g.standard_normal((steps, d))
+    raise ValueError(f"kind must be 'activations', 'gradients' or 'large', got {kind!r}")
 
 
 def mlp_run_vectors(width, steps, seed=0):

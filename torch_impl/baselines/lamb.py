@@ -26,9 +26,15 @@ torch.optim conventions (as ``torch.optim.AdamW``):
   ``tensor_ops.scalar_operand``, since torch's CPU ``_foreach_mul_`` would round it to
   bf16 / fp16 first); False the loop; None (default) chooses like torch: foreach when every
   parameter is a CUDA tensor, the loop otherwise (the CPU gains nothing from foreach).
-* ``state_dtype``: the dtype m and v are stored in, as MARS's (``common/state_storage.py``):
-  a step computes in the wider of it and the parameter's dtype and writes back once
-  (``None``: the parameter's dtype).  Complex parameters take none (their state is complex).
+* ``state_dtype``, ``state_rounding``, ``rounding_seed``, ``kahan_sum``: the state's
+  storage, as MARS's (``common/state_storage.py``): m and v stored in ``state_dtype``
+  (``None``: the parameter's dtype), the step computed in the wider dtype (float32 at least
+  with ``state_rounding="stochastic"``), each narrower write rounded to nearest or, with
+  ``"stochastic"``, by LP1, :math:`\mathrm{SR}(w) = hi` if :math:`u < (w - lo)/(hi - lo)`
+  else :math:`lo`, u from the stream ``stream_seed(rounding_seed, group index, position,
+  name_word(key), k)`` (LP2; a 16-bit parameter's key is ``"param"``); with ``kahan_sum`` a
+  16-bit parameter steps from x = p + c in float32, p <- RN(x), c <- RN(x - p) (LP3, c in
+  ``kahan_comp``).  Complex parameters take none of them (their state is complex).
 * ``fused``, ``capturable``, ``differentiable`` are accepted and stored like torch's, but
   only off (``fused=None``/``False``, ``capturable=False``, ``differentiable=False``): this
   LAMB has no fused kernel, reads its step count on the host and is not differentiable, so
@@ -54,7 +60,7 @@ __all__ = ["LAMB"]
 _OPTION_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False,
                     "differentiable": False, "fused": None}
 # a state_dict from before these keywords loads with the constructor's
-_STORAGE_OPTIONS = ("state_dtype",)
+_STORAGE_OPTIONS = ("state_dtype", "state_rounding", "rounding_seed", "kahan_sum")
 
 
 def _check_group(group):
@@ -135,7 +141,8 @@ class LAMB(torch.optim.Optimizer):
             writes into them (``fill_``) never recompiles the step.
         eps: added to sqrt(v_hat) (>= 0). weight_decay: lambda (>= 0), inside the
             trust-ratio update as in the LAMB paper.
-        state_dtype: the state's storage dtype (module docstring; default ``None``).
+        state_dtype, state_rounding, rounding_seed, kahan_sum: the state's storage
+            (module docstring; defaults ``None``, ``"nearest"``, ``None``, ``False``).
         maximize: ascend the objective (default False).
         foreach: None (default; foreach on CUDA, the loop otherwise), True or False
             (module docstring).
@@ -147,10 +154,13 @@ class LAMB(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *,
-                 state_dtype=None, maximize=False, foreach=None, capturable=False,
+                 state_dtype=None, state_rounding="nearest", rounding_seed=None,
+                 kahan_sum=False, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        state_dtype=state_dtype, maximize=maximize, foreach=foreach, capturable=capturable,
+                        state_dtype=state_dtype, state_rounding=state_rounding,
+                        rounding_seed=rounding_seed, kahan_sum=kahan_sum,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused)
         _check_group(defaults)
         super().__init__(params, defaults)
@@ -166,6 +176,7 @@ class LAMB(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        state_storage.resolve_rounding_seed(self, self.param_groups[-1])
 
     def load_state_dict(self, state_dict):
         """``Optimizer.load_state_dict`` keeping ``state_dtype`` (torch would cast the state to
@@ -202,7 +213,7 @@ class LAMB(torch.optim.Optimizer):
     def _create_state(self, group, params):
         """Yield (p, state) for each of ``params``, creating an empty state first: ``step`` = 0
         (a float32 CPU tensor), ``exp_avg`` and ``exp_avg_sq`` zeros like ``p`` in the group's
-        ``state_dtype`` (cast when it changed since).
+        ``state_dtype`` (cast when it changed since), ``kahan_comp`` with ``kahan_sum``.
         Shared by ``_init_group`` (a step) and ``init_state``."""
         for p in params:
             state = self.state[p]
@@ -243,6 +254,7 @@ class LAMB(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
             state_storage.check_storage(group)
+            state_storage.resolve_rounding_seed(self, group)
 
     @torch.no_grad()
     def step(self, closure=None):

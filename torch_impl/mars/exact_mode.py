@@ -20,6 +20,8 @@ import warnings
 
 import torch
 
+from ..common.state_storage import G_PREV, write_state
+
 
 def evaluate_at_previous_then_current(opt, closure):
     """Exact mode (M1): fill ``last_grad`` with grad f(x_{t-1}, xi_t), then evaluate at x_t.
@@ -45,15 +47,17 @@ def evaluate_at_previous_then_current(opt, closure):
                 p.copy_(x_now)
             _set_rng_state(rng)
             raise
-        for group in opt.param_groups:
-            for p in group["params"]:
+        for index, group in enumerate(opt.param_groups):
+            for position, p in enumerate(group["params"]):
                 buf = opt.state[p].get("last_grad") if p in returning_set else None
                 if buf is None:
                     continue
                 if p.grad is None:  # p did not enter the loss at x_{t-1}
                     buf.zero_()
-                else:
-                    buf.copy_(-p.grad if group["maximize"] else p.grad)
+                else:  # g_prev of the step about to count: rounded as the group says
+                    write_state(group, index, position, buf,
+                                -p.grad if group["maximize"] else p.grad, G_PREV,
+                                float(opt.state[p]["step"]) + 1)
         for p, x_t in zip(returning, current):
             p.copy_(x_t)
             opt.state[p]["prev_param"] = x_t
@@ -205,15 +209,16 @@ def warn_if_scaled_previous_grad(opt):
 def update_last_grad(opt):
     """``last_grad`` <- ``previous_grad`` wherever both exist (the authors raise a KeyError for
     a parameter without ``previous_grad``, spec B4; here it keeps its ``last_grad``)."""
-    for group in opt.param_groups:
+    for index, group in enumerate(opt.param_groups):
         if group["is_approx"]:
             continue
-        for p in group["params"]:
+        for position, p in enumerate(group["params"]):
             st = opt.state.get(p, {})
             if "previous_grad" not in st:
                 continue
-            if "last_grad" in st:
-                st["last_grad"].copy_(st["previous_grad"])
+            if "last_grad" in st:  # g_prev of the next step, rounded as the group says
+                write_state(group, index, position, st["last_grad"], st["previous_grad"],
+                            G_PREV, float(st.get("step", 0)) + 1)
             else:
                 st["last_grad"] = st["previous_grad"].clone()
 

@@ -106,10 +106,30 @@ class MARS(Optimizer):
             copy of the parameter, written back once per step.  The parameter keeps its dtype
             and is only ever rounded to that dtype (float32 parameters with ``lr=0`` do not
             change at all), so a bf16 parameter still loses a step below half its ulp (keep
-            float32 master weights when that matters).  Exact mode's ``prev_param`` and
-            ``previous_grad`` keep the parameter's and the gradient's dtype.
+            float32 master weights, or ``kahan_sum``, when that matters).  Exact mode's
+            ``prev_param`` and ``previous_grad`` keep the parameter's and the gradient's dtype.
             ``load_state_dict`` keeps the state in ``state_dtype`` (torch would cast it to the
             parameter's dtype).  Default ``None``: the parameter's own dtype.
+        state_rounding: how a working copy w is written back into a narrower stored tensor:
+            ``"nearest"`` (default; RN(w), the behaviour before the option) or
+            ``"stochastic"`` (LP1): the step computes in float32 at least and every narrower
+            write -- each state buffer, a 16-bit parameter (unless ``kahan_sum``), exact
+            mode's g_prev in ``last_grad`` -- stores
+            :math:`\mathrm{SR}(w) = hi` if :math:`u < (w - lo)/(hi - lo)` else :math:`lo`
+            (lo <= w <= hi adjacent stored values; :math:`\mathbb{E}\,\mathrm{SR}(w) = w`),
+            u from the stream (LP2) ``stream_seed(rounding_seed, group index, position in the
+            group, name_word(key), t)``, key the state key (``"param"``: the parameter;
+            ``"g_prev"``: exact mode's refill), t the tensor's step count after the step.
+            Needs bf16 / fp16 state in every tensor of the group (``state_dtype``, or the
+            parameters' own dtype), else a ValueError (``paper_notes/low_precision.md``).
+        rounding_seed (int or None): the streams' seed, kept in the group (and so in
+            ``state_dict``: a resumed run is the uninterrupted one, bit for bit).  ``None``:
+            one draw of torch's default generator when the optimizer first rounds
+            stochastically (an optimizer that never does draws nothing).
+        kahan_sum (bool): bf16 / fp16 parameters keep a compensation c (``kahan_comp``, LP3):
+            a step starts from x = p + c in float32 and writes p = RN(x), c = RN(x - p), so p
+            follows the float32 trajectory to within an ulp.  float32 / float64 parameters
+            lose nothing and keep no buffer.  Default ``False``.
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
         compiled (bool or str): ``True`` / ``"tensor"``: run each tensor's elementwise step as
@@ -164,7 +184,8 @@ class MARS(Optimizer):
     State per tensor: ``step`` (CPU float tensor), ``exp_avg``; ``exp_avg_sq`` for the AdamW
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
     amsgrad; ``last_grad`` for tensors on the MARS path (a copy of the raw g, never an alias
-    of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode.  ``init_state()`` creates
+    of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode; ``kahan_comp`` with
+    ``kahan_sum`` (16-bit parameters).  ``init_state()`` creates
     the first step's state up front (counters at 0), so that torchtitan's and DCP's
     zero-gradient init step, which would advance the counters, does nothing.
 
@@ -181,7 +202,8 @@ class MARS(Optimizer):
                  clip_scope="tensor", orthogonalizer="newton_schulz", ns_steps=5,
                  ns_dtype=torch.bfloat16, ns_coefficients="authors",
                  weight_decay_1d_source="constructor",
-                 state_dtype=None, maximize=False, foreach=None, compiled=False,
+                 state_dtype=None, state_rounding="nearest", rounding_seed=None,
+                 kahan_sum=False, maximize=False, foreach=None, compiled=False,
                  shape_layout="out_in", orthogonalize_on="owner", matrix_batch_dims=0,
                  fused=None, capturable=False, differentiable=False):
         lr_value = _lr_value(lr)
@@ -198,7 +220,9 @@ class MARS(Optimizer):
                         clip_scope=clip_scope, orthogonalizer=orthogonalizer, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, ns_coefficients=ns_coefficients,
                         weight_decay_1d_source=weight_decay_1d_source,
-                        state_dtype=state_dtype, maximize=maximize, foreach=foreach,
+                        state_dtype=state_dtype, state_rounding=state_rounding,
+                        rounding_seed=rounding_seed, kahan_sum=kahan_sum,
+                        maximize=maximize, foreach=foreach,
                         compiled=compiled, shape_layout=shape_layout,
                         orthogonalize_on=orthogonalize_on, matrix_batch_dims=matrix_batch_dims,
                         fused=fused,
@@ -222,6 +246,7 @@ class MARS(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        state_storage.resolve_rounding_seed(self, self.param_groups[-1])
 
     def _check_groups(self):
         """Every group's hyperparameters, as ``add_param_group`` checks them: they are read
@@ -231,6 +256,8 @@ class MARS(Optimizer):
         for group in self.param_groups:
             _validate_group(group)
         check_shared("is_approx", self.param_groups, _ONE_MODE)
+        for group in self.param_groups:  # a group turned stochastic since: the seed it uses
+            state_storage.resolve_rounding_seed(self, group)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -354,7 +381,7 @@ class MARS(Optimizer):
             buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, mars_equations.FALLBACK) else []
             buffers += ["max_exp_avg_sq"] if kind == mars_equations.ADAMW and group["amsgrad"] else []
             buffers += ["last_grad"] if kind != mars_equations.FALLBACK else []
-            state_storage.ensure_state(st, p, group, buffers)
+            state_storage.ensure_state(st, p, group, buffers)  # and kahan_comp
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
             yield p, kind, st, buffers
@@ -515,7 +542,7 @@ def _validate_group(g):
     _check_choice("shape_layout", g["shape_layout"], SHAPE_LAYOUTS)
     _check_choice("orthogonalize_on", g["orthogonalize_on"], ORTHOGONALIZE_ON)
     check_matrix_batch_dims(g, mars_equations.matrix_batch_dims_of)
-    state_storage.check_storage(g)  # state_dtype
+    state_storage.check_storage(g)  # state_dtype, state_rounding, rounding_seed, kahan_sum
     if g["compiled"] is True:  # the documented spelling of the per-tensor mode
         g["compiled"] = "tensor"
     if g["compiled"] not in (False, "tensor", "group"):

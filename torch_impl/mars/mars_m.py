@@ -104,10 +104,15 @@ class MARSM(Optimizer):
             longest-first on its Newton-Schulz flops; two ``all_to_all`` per step and group)
             or ``"every_rank"`` (all-gather each matrix; every rank runs every one). Same
             result; plain tensors are unaffected; ``compiled=True`` keeps ``"every_rank"``.
-        state_dtype: the dtype ``momentum_buffer``, ``last_grad``, ``moment1`` and
-            ``moment2`` are stored in, as ``MARS``'s (``common/state_storage.py``): a step
-            computes in the wider of it and the parameter's dtype and writes back once.
-            Default ``None``: the parameter's dtype.
+        state_dtype, state_rounding, rounding_seed, kahan_sum: the state's storage, as
+            ``MARS``'s (``common/state_storage.py``): ``momentum_buffer``, ``last_grad``,
+            ``moment1``, ``moment2`` stored in ``state_dtype`` (default ``None``: the
+            parameter's dtype), a step computing in the wider dtype (float32 at least with
+            ``state_rounding="stochastic"``), each narrower write :math:`\mathrm{SR}(w)`
+            (LP1) from the stream ``stream_seed(rounding_seed, group index, position,
+            name_word(key), t)`` (LP2) or RN(w) (``"nearest"``, default), and 16-bit
+            parameters with ``kahan_sum`` stepping from x = p + c (LP3: p = RN(x),
+            c = RN(x - p), c in ``kahan_comp``).
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
         compiled (bool): one ``torch.compile``d call per shape (``mars_m_compiled.py``; the
             same equation functions), fusing the corrections with one batched Newton-Schulz
@@ -122,7 +127,8 @@ class MARSM(Optimizer):
 
     State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
     ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
-    backup ``step``, ``moment1``, ``moment2`` -- the authors' names.  ``init_state()`` creates
+    backup ``step``, ``moment1``, ``moment2`` -- the authors' names; ``kahan_comp`` with
+    ``kahan_sum`` (16-bit parameters).  ``init_state()`` creates
     them up front (counters at 0), so that torchtitan's and DCP's zero-gradient init step,
     which would advance the counters, does nothing.
 
@@ -137,7 +143,8 @@ class MARSM(Optimizer):
                  gamma=0.025, clip_c=True, is_approx=True, adamw_betas=(0.9, 0.95),
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
                  ns_coefficients="authors", orthogonalizer="newton_schulz", shape_layout="out_in",
-                 state_dtype=None, maximize=False, foreach=None, compiled=False,
+                 state_dtype=None, state_rounding="nearest", rounding_seed=None,
+                 kahan_sum=False, maximize=False, foreach=None, compiled=False,
                  orthogonalize_on="owner", matrix_batch_dims=0, fused=None, capturable=False,
                  differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
@@ -145,7 +152,8 @@ class MARSM(Optimizer):
                         adamw_eps=adamw_eps, rule=rule, efficient=efficient, ns_dtype=ns_dtype,
                         ns_coefficients=ns_coefficients, orthogonalizer=orthogonalizer,
                         shape_layout=shape_layout, state_dtype=state_dtype,
-                        maximize=maximize, foreach=foreach,
+                        state_rounding=state_rounding, rounding_seed=rounding_seed,
+                        kahan_sum=kahan_sum, maximize=maximize, foreach=foreach,
                         compiled=compiled, orthogonalize_on=orthogonalize_on,
                         matrix_batch_dims=matrix_batch_dims, fused=fused,
                         capturable=capturable,
@@ -161,6 +169,7 @@ class MARSM(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        state_storage.resolve_rounding_seed(self, self.param_groups[-1])
 
     def _check_groups(self):
         """Every group's hyperparameters, before the first group changes
@@ -168,6 +177,8 @@ class MARSM(Optimizer):
         for group in self.param_groups:
             _validate_group(group)
         check_shared("is_approx", self.param_groups, _ONE_MODE)
+        for group in self.param_groups:  # a group turned stochastic since: the seed it uses
+            state_storage.resolve_rounding_seed(self, group)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -288,7 +299,7 @@ class MARSM(Optimizer):
             names = {mars_m_equations.MATRIX: ("momentum_buffer", "last_grad"),
                      mars_m_equations.EFFICIENT: ("momentum_buffer",),
                      mars_m_equations.BACKUP: ("moment1", "moment2")}[kind]
-            state_storage.ensure_state(st, p, group, names)
+            state_storage.ensure_state(st, p, group, names)  # and kahan_comp
             if "step" not in st:
                 st["step"] = torch.tensor(0.0)
             yield p, kind, st
@@ -365,7 +376,7 @@ def _validate_group(g):
     if not isinstance(g["compiled"], bool):
         raise ValueError(f"compiled: expected a bool, got {g['compiled']!r}")
     check_torch_flags("MARSM", g)
-    state_storage.check_storage(g)  # state_dtype
+    state_storage.check_storage(g)  # state_dtype, state_rounding, rounding_seed, kahan_sum
     if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
         raise ValueError(f"ns_steps: expected an int >= 1, got {g['ns_steps']!r}")
     if g["efficient"] and not g["is_approx"]:

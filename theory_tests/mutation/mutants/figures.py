@@ -17,6 +17,8 @@ F_HARNESS = "theory_tests/mutation/harness.py"
 F_CURV = "figures/curvature_methods.py"
 F_STATE_CF = "figures/bench/state_closed_form.py"
 F_STATE = "figures/bench/state_memory.py"
+F_LOWP = "figures/experiments/low_precision.py"
+F_REGISTRY = "figures/registry.py"
 PYPROJECT = "pyproject.toml"
 
 
@@ -154,6 +156,27 @@ MUTANTS = {
         # the ratio over AdamW of the first group for every group
         Mutant(F_STATE, '"adamw_seconds": ref, "ratio": t / ref}',
                '"adamw_seconds": ref, "ratio": t}'),
+    ],
+    "FIG-LOW-PRECISION": [
+        # the effect's sign turned: float32 − variant, a worse variant drawn as better
+        Mutant(F_LOWP, "            paired = S.paired_ci(vals, ref)",
+               "            paired = S.paired_ci(ref, vals)"),
+        # the verdicts swapped: an interval above 0 read as better
+        Mutant(F_LOWP, '{"positive": "worse", "negative": "better"}',
+               '{"positive": "better", "negative": "worse"}'),
+        # the seed noise's SE without its sqrt(n)
+        Mutant(F_LOWP, "reference_se=sd / math.sqrt(len(ref))", "reference_se=sd"),
+        # the stochastic curve rounded to nearest: two nearest curves, no stochastic one
+        Mutant(F_LOWP, '_mars("bf16 stochastic", BF16, ("state_rounding", "stochastic"))',
+               '_mars("bf16 stochastic", BF16, ("state_rounding", "nearest"))'),
+        # MARS's default beta2 = 0.99, where nearest barely stalls: not the figure's setting
+        Mutant(F_LOWP, "BETAS = (0.95, 0.999)", "BETAS = (0.95, 0.99)"),
+        # a tensor of exactly one block sent to the float32 group
+        Mutant(F_REGISTRY, "    big = [p for p in params if p.numel() >= block]",
+               "    big = [p for p in params if p.numel() > block]"),
+        # the spec's state_dtype name no longer turned into a dtype
+        Mutant(F_REGISTRY, 'for key in ("ns_dtype", "state_dtype"):',
+               'for key in ("ns_dtype",):'),
     ],
     "FIG-ENVIRONMENT": [
         # transformers unpinned: a newer one changes the BERT figures' last bits

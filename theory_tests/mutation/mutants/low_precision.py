@@ -1,5 +1,7 @@
 """Mutants of low-precision optimizer state (issue 47): the stochastic rounding rule and its
-streams (LP1, LP2), keyed by the ``paper_notes/claims.md`` row whose tests must kill them."""
+streams (LP1, LP2), the optimizers' storage options (state_dtype on MARS-M and LAMB,
+state_rounding, kahan_sum), keyed by the ``paper_notes/claims.md`` row whose tests must kill
+them."""
 from ..mutant import Mutant
 
 __all__ = ["MUTANTS"]
@@ -7,6 +9,9 @@ __all__ = ["MUTANTS"]
 R_ROUND = "reference/common/rounding.py"
 T_ROUND = "torch_impl/common/rounding.py"
 T_LAMB = "torch_impl/baselines/lamb.py"
+T_STORAGE = "torch_impl/common/state_storage.py"
+T_EXACT = "torch_impl/mars/exact_mode.py"
+_WORDS = '        words = (seed, group_index, position, name_word(name), int(st["step"]))'
 T_MARS_M = "torch_impl/mars/mars_m.py"
 _KEEPING = ("        state_storage.load_state_dict_keeping_storage(self, super().load_state_dict,\n"
             "                                                      state_dict)\n")
@@ -35,6 +40,62 @@ MUTANTS = {
                "        h = h or _splitmix64(h ^ (int(w) & _MASK64))"),
         # the seed not used: the generator's default stream for every write
         Mutant(T_ROUND, "    g.manual_seed(seed)\n", "    g.manual_seed(0)\n"),
+    ],
+    "LP3": [
+        # the compensation not added back: x = p, c is written but never read
+        Mutant(T_STORAGE, "                x.add_(comp)  # LP3: the lost low bits back",
+               "                pass  # LP3: the lost low bits back"),
+        # the compensation not updated: it stays 0 (plain round-to-nearest parameters)
+        Mutant(T_STORAGE, "        comp.copy_(working.sub(stored))", "        comp.zero_()"),
+        # c' = RN(x - p) with the old p (before the write): the wrong residual
+        Mutant(T_STORAGE, "    stored.copy_(working)\n    if comp is not None:  # LP3: what RN(x) lost, itself rounded to the parameter's dtype\n        comp.copy_(working.sub(stored))",
+               "    if comp is not None:  # LP3: what RN(x) lost, itself rounded to the parameter's dtype\n        comp.copy_(working.sub(stored))\n    stored.copy_(working)"),
+        # with stochastic rounding on, the Kahan parameter is written stochastically (and its
+        # compensation never updated)
+        Mutant(T_STORAGE, "        if comp is not None or stored.dtype not in ROUNDING_DTYPES:",
+               "        if stored.dtype not in ROUNDING_DTYPES:"),
+    ],
+    "KAHAN-PORT": [
+        # float32 parameters given a compensation buffer (memory for nothing)
+        Mutant(T_STORAGE, '    return group["kahan_sum"] and p.dtype in ROUNDING_DTYPES',
+               '    return group["kahan_sum"]'),
+        # the step of a Kahan parameter not widened: bf16 arithmetic, no compensation at all
+        Mutant(T_STORAGE, '    if group["state_rounding"] == "stochastic" or kahan_applies(p, group):',
+               '    if group["state_rounding"] == "stochastic":'),
+        # the buffer kept when kahan_sum is turned off
+        Mutant(T_STORAGE, "        st.pop(KAHAN, None)", "        pass"),
+        # init_state (and the step) never create the buffer: Kahan silently off
+        Mutant(T_STORAGE, "            st[KAHAN] = torch.zeros_like(p, memory_format=torch.preserve_format)",
+               "            pass"),
+    ],
+    "STATE-ROUNDING-PORT": [
+        # the write-back rounds toward zero (truncates the float32 bits) instead of by LP1
+        Mutant(T_STORAGE, "    stored.copy_(stochastic_round(working, stored.dtype, stream_seed(*words)))",
+               "    stored.copy_((working.view(torch.int32) & -65536).view(torch.float32).to(stored.dtype))"),
+        # one stream shared by the tensors of a group (the position dropped from the seed)
+        Mutant(T_STORAGE, _WORDS, _WORDS.replace("group_index, position,", "group_index, 0,")),
+        # ... by the groups (the group index dropped)
+        Mutant(T_STORAGE, _WORDS, _WORDS.replace("group_index, position,", "0, position,")),
+        # the step word dropped: the same stream at every step
+        Mutant(T_STORAGE, _WORDS, _WORDS.replace('int(st["step"]))', "0)")),
+        # the buffer's name dropped: m, v and last_grad of a tensor share a stream
+        Mutant(T_STORAGE, _WORDS, _WORDS.replace("name_word(name)", 'name_word("")')),
+        # a 16-bit parameter written to nearest under stochastic rounding
+        Mutant(T_STORAGE, "        if comp is not None or stored.dtype not in ROUNDING_DTYPES:",
+               "        if comp is not None or stored.dtype not in ROUNDING_DTYPES or name == PARAM:"),
+        # the step computes in the narrow dtype (bf16 parameters with bf16 state)
+        Mutant(T_STORAGE, "        dtype = torch.promote_types(dtype, torch.float32)", "        dtype = dtype"),
+        # every optimizer takes the same default stream
+        Mutant(T_STORAGE, '        optimizer.defaults["rounding_seed"] = default_rounding_seed()',
+               '        optimizer.defaults["rounding_seed"] = 0'),
+        # exact mode's g_prev refill written to nearest
+        Mutant(T_STORAGE, "            value.dtype.itemsize > stored.dtype.itemsize:",
+               "            False:"),
+        # ... with the stream of the step that wrote it, not of the step that reads it
+        Mutant(T_EXACT, '                            G_PREV, float(st.get("step", 0)) + 1)',
+               '                            G_PREV, float(st.get("step", 0)))'),
+        # a group that cannot round accepted (float32 state: stochastic silently does nothing)
+        Mutant(T_STORAGE, "            _check_roundable(p, stored_dtype(p, group))", "            pass"),
     ],
     # state_dtype on MARS-M and LAMB (MARS's own mutants: mutants/mars.py, same row)
     "PORT-STATE-DTYPE": [
