@@ -241,6 +241,7 @@ def run(sizes, repeats, device, ns_dtype, rows=None, on_size=None):
         results = run_size(available, make, repeats, device, ns_dtype)
         report["sizes"][name] = {"label": label, "params": n_params,
                                  "seconds_to_run": time.perf_counter() - start, "rows": results}
+        report["load_average_end"] = os.getloadavg()[0]
         if on_size is not None:
             on_size(report)
     return report
@@ -269,7 +270,8 @@ def table(report):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     machine = (f"{report['date']}, {report['device']} ({report['cpu']}), {report['threads']} "
                f"threads, torch {report['torch']}, load average {report['load_average']:.1f} "
-               f"at the start, median of {report['repeats']} interleaved rounds, Newton–Schulz "
+               f"at the start and {report.get('load_average_end', float('nan')):.1f} at the "
+               f"end, median of {report['repeats']} interleaved rounds, Newton–Schulz "
                f"in {report['ns_dtype']}")
     missing = "; ".join(f"{n} (needs {', '.join(m)})"
                         for n, m in report["not_available"].items()) or "none"
