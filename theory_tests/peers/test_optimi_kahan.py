@@ -13,17 +13,12 @@ import inspect
 import pytest
 import torch
 
-from torch_impl import MARS
 from theory_tests.support.optimi_conventions import (OPTIMI_ADAMW_DEFAULTS, from_optimi_adamw,
                                                      gradients, in_ulps,
                                                      load_optimi, start, trajectory)
 
 optimi = load_optimi()
 SHAPE, STEPS, LR = (64, 32), 300, 1e-3
-# ours needs MARS(kahan_sum=...), issue 47 item 2 (helper A); these tests passed against its
-# working tree before it landed and run once it does
-NEEDS_KAHAN = pytest.mark.skipif("kahan_sum" not in inspect.signature(MARS.__init__).parameters,
-                                 reason="MARS(kahan_sum=...) has not landed yet (issue 47 item 2)")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +89,6 @@ def our_runs():
     return out
 
 
-@NEEDS_KAHAN
 def test_ours_with_kahan_follows_float32_and_without_it_stalls(our_runs):
     ref = our_runs[0.0]["float32"]
     p, comp = our_runs[0.0]["kahan"]
@@ -105,7 +99,6 @@ def test_ours_with_kahan_follows_float32_and_without_it_stalls(our_runs):
     assert in_ulps(compensated, ref).max() < 0.5
 
 
-@NEEDS_KAHAN
 def test_ours_keeps_the_weight_decay_that_optimi_loses(our_runs, runs):
     """Ours decays x = p + c in float32 (LP3): with wd 0.1 it stays as close to its float32
     run as without decay, where optimi's Kahan run misses the whole decay (4-8 spacings)."""
@@ -117,7 +110,6 @@ def test_ours_keeps_the_weight_decay_that_optimi_loses(our_runs, runs):
     assert ours.mean() < 0.1 and peer.mean() > 4.0
 
 
-@NEEDS_KAHAN
 def test_with_float32_state_only_the_compensation_is_left(our_runs):
     """bf16 parameters with a float32 state: the moments are the float32 run's to rounding,
     so what separates p + c from the float32 trajectory is the compensation's own bf16

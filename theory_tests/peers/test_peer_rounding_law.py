@@ -11,20 +11,19 @@ binomial standard error, fixed seeds).  What each rounds, measured:
   stochastically; a float16 state to nearest; float32 parameters and state unrounded;
 * torchao: the bf16 parameter stochastically; its state, bf16 because it is ``zeros_like(p)``,
   to nearest;
+* ours: the bf16 state (m, v) and the bf16 parameter stochastically (LP1, LP2 streams), a
+  float32 parameter unrounded; through HeavyBall's map of bf16 storage, HeavyBall's verdicts;
 * all three: 16 random bits added to (HeavyBall, ours) or compared with (torchao) the low 16
   bits of the float32 pattern, which is LP1 exactly for a float32 x (p = those bits / 2^16).
 
 torchao runs eager here (``eager_torch_compile``); its compiled step is checked in
 ``theory_tests/integrations/test_peer_rounding_compiled.py`` (slow: 19 s of compilation).
 """
-import inspect
-
 import numpy as np
 import pytest
 import torch
 
 from reference.common.rounding import neighbours, stochastic_round
-from torch_impl import MARS
 from theory_tests.support.heavyball_conventions import load_heavyball
 from theory_tests.support.peer_rounding import (heavyball_adapter, one_step, ours_adapter,
                                                 ours_as_heavyball_adapter, torchao_adapter)
@@ -32,11 +31,6 @@ from theory_tests.support.rounding_law import Z, classify, same_law
 
 heavyball = load_heavyball()
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-# ours needs MARS(state_rounding=...), issue 47 item 1 (helper A); these tests passed against
-# its working tree before it landed and run once it does
-NEEDS_ROUNDING = pytest.mark.skipif(
-    "state_rounding" not in inspect.signature(MARS.__init__).parameters,
-    reason="MARS(state_rounding=...) has not landed yet (issue 47 item 1)")
 
 
 @pytest.fixture(autouse=True)
@@ -116,13 +110,11 @@ def our_laws():
     return one_step(ours_adapter())
 
 
-@NEEDS_ROUNDING
 def test_ours_rounds_its_bf16_state_and_parameter_by_lp1(our_laws):
     assert {k: law.verdict for k, law in our_laws.items()} == dict(
         exp_avg="stochastic", exp_avg_sq="stochastic", param="stochastic")
 
 
-@NEEDS_ROUNDING
 def test_ours_with_nearest_draws_nothing_and_leaves_float32_parameters_unrounded():
     """The controls of the experiment on our own options: with ``state_rounding="nearest"``
     (today's arithmetic in the parameter's dtype) every row writes the same value, so no
@@ -135,7 +127,6 @@ def test_ours_with_nearest_draws_nothing_and_leaves_float32_parameters_unrounded
         exp_avg="stochastic", exp_avg_sq="stochastic", param="unrounded")
 
 
-@NEEDS_ROUNDING
 def test_ours_writes_the_parameter_by_the_peers_law(our_laws, heavyball_laws, torchao_laws):
     """Ours and each peer: the same x (to float32 rounding), frequencies within Z standard
     errors column by column."""
@@ -144,7 +135,6 @@ def test_ours_writes_the_parameter_by_the_peers_law(our_laws, heavyball_laws, to
         assert same_law(our_laws["param"], peer["param"]) <= Z
 
 
-@NEEDS_ROUNDING
 @pytest.mark.parametrize("param_dtype, storage", [(BF16, "bfloat16"), (F32, "bfloat16")],
                          ids=["bf16-params", "f32-params"])
 def test_the_heavyball_map_of_bf16_storage_rounds_what_heavyball_rounds(param_dtype, storage):

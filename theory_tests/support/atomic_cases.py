@@ -124,6 +124,12 @@ _STORAGE = {
     "rounding_seed": _named("rounding_seed", -1, "seven"),
     "kahan_sum": _named("kahan_sum", 1),
 }
+# MARS and MARS-M: 8-bit moments; the battery's tensors are all smaller than a default block
+_QUANTIZATION = {
+    "state_quantization": _named("state_quantization", "int8") + [
+        ({"state_quantization": "blockwise8"}, r"^state_quantization='blockwise8' with block_size=256")],
+    "block_size": _named("block_size", 0, 2.5),
+}
 
 
 def _flags(owner):
@@ -168,6 +174,7 @@ _MARS_M = {
     "compiled": _named("compiled", "group"),
     "orthogonalize_on": _named("orthogonalize_on", "nowhere"),
     **_STORAGE,
+    **_QUANTIZATION,
     # changed after the group has state: its stacks no longer fit (issue 45: the group of
     # rule "mars_m" is the last, and the earlier groups must not have stepped)
     "matrix_batch_dims": _named("matrix_batch_dims", -1, "1") + [
@@ -200,6 +207,7 @@ _MARS = {
     "ns_coefficients": _named("ns_coefficients", "fast"),
     "weight_decay_1d_source": _named("weight_decay_1d_source", "model"),
     **_STORAGE,
+    **_QUANTIZATION,
     "maximize": _named("maximize", "no"),
     "foreach": _named("foreach", "sometimes"),
     "compiled": _named("compiled", "always"),

@@ -2,8 +2,9 @@
 
 A runner process is started like a newcomer's interpreter (from a folder outside the checkout,
 with only what the install puts on the path); it imports torch, torch_impl, numpy and, when
-present, transformers once -- the seconds a fresh interpreter spends per block -- and runs
-nothing.  For each block it forks a child, which changes to the block's folder and executes the
+present, transformers once -- the seconds a fresh interpreter spends per block -- and
+``torch._dynamo``, which torch's optimizers import at their first step (~1.5 s of CPU that
+every block stepping one paid), and runs nothing.  For each block it forks a child, which changes to the block's folder and executes the
 block in a new ``__main__`` namespace: names come only from the block's own imports (a module
 already loaded is found in ``sys.modules``, as a second ``import`` of it would be, but nothing
 is bound in the namespace), and what the install does not bring (``reference``, ``figures``,
@@ -21,6 +22,7 @@ import tempfile
 SERVER = r'''
 import json, os, sys, tempfile, traceback
 import numpy, torch, torch_impl  # noqa: F401  (a fresh interpreter's import time, paid once)
+import torch._dynamo  # noqa: F401  (imported by an optimizer's first step: once, not per block)
 try:
     import transformers  # noqa: F401
 except ImportError:

@@ -1,12 +1,14 @@
 r"""How MARS, MARS-M and LAMB store their state and write a step back into it: ``state_dtype``,
-``state_rounding``, ``rounding_seed`` and ``kahan_sum`` (one implementation for the three).
+``state_rounding``, ``rounding_seed`` and ``kahan_sum`` (one implementation for the three), and
+MARS's and MARS-M's ``state_quantization`` (LP4, ``common/quantized_state.py``).
 
 For a parameter p of dtype :math:`d_p` in a group with storage dtype
 :math:`d_s` = ``state_dtype`` (:math:`d_p` when ``None``), a step computes in
 
 .. math::
     d_c = \operatorname{promote}(d_p, d_s)
-          \ \big[\,\vee\ \text{float32 with } \texttt{state\_rounding="stochastic"}
+          \ \big[\,\vee\ \text{float32 with } \texttt{state\_rounding="stochastic"},
+          \texttt{state\_quantization}
           \text{ or a 16-bit } p \text{ with } \texttt{kahan\_sum}\,\big]
 
 on working copies of every tensor stored narrower than :math:`d_c` (gradients are only
@@ -24,13 +26,17 @@ read), and writes each copy w back into its stored tensor s once, after the upda
   the rank's mesh coordinate as further words;
 * ``kahan_sum`` (LP3), a 16-bit parameter p with compensation c (``kahan_comp``, p's dtype):
   the step starts from x = p + c in float32 and writes p <- RN(x), c <- RN(x - p), whatever
-  ``state_rounding`` says (float32 / float64 parameters lose nothing and keep no buffer).
+  ``state_rounding`` says (float32 / float64 parameters lose nothing and keep no buffer);
+* a buffer held in 8 bits (``state_quantization="blockwise8"``) is dequantized into its
+  working copy and quantized back (LP4), whatever ``state_rounding`` says.
 
 ``load_state_dict`` keeps ``state_dtype`` (torch casts every floating state tensor to the
 parameter's dtype): ``shield_state_dtype`` / ``unshield_state_dtype`` pass it by torch's cast.
 """
 import torch
 
+from . import quantized_state
+from .quantized_state import Quantized
 from .rounding import ROUNDING_DTYPES, default_rounding_seed, name_word, stochastic_round, \
     stream_seed
 from .sharding import is_dtensor
@@ -38,7 +44,7 @@ from .validation import check_bool, check_choice
 
 __all__ = ["ROUNDINGS", "STATE_DTYPES", "PARAM", "G_PREV", "KAHAN", "check_storage",
            "resolve_rounding_seed", "stored_dtype", "compute_dtype", "kahan_applies",
-           "ensure_state", "WriteBack", "write_state", "shield_state_dtype",
+           "ensure_state", "buffer", "WriteBack", "write_state", "shield_state_dtype",
            "unshield_state_dtype", "load_state_dict_keeping_storage"]
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -66,6 +72,7 @@ def check_storage(group):
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"rounding_seed: expected None or an int >= 0, got {seed!r}")
     check_bool("kahan_sum", group["kahan_sum"])
+    quantized_state.check_quantization(group)  # MARS and MARS-M: state_quantization, block_size
     if group["state_rounding"] == "stochastic":
         for p in group["params"]:
             _check_roundable(p, stored_dtype(p, group))
@@ -109,7 +116,8 @@ def kahan_applies(p, group):
 def compute_dtype(p, group):
     """d_c: the dtype p's step computes in (module docstring)."""
     dtype = torch.promote_types(p.dtype, stored_dtype(p, group))
-    if group["state_rounding"] == "stochastic" or kahan_applies(p, group):
+    if group["state_rounding"] == "stochastic" or kahan_applies(p, group) or \
+            group.get("state_quantization"):
         dtype = torch.promote_types(dtype, torch.float32)
     return dtype
 
@@ -117,10 +125,13 @@ def compute_dtype(p, group):
 def ensure_state(st, p, group, names):
     """``st[name]`` for each of ``names``: zeros like p in the group's storage dtype where it is
     missing (a buffer a later option needs appears then), cast where the group's
-    ``state_dtype`` changed since; and p's ``kahan_comp`` created (zeros) or dropped as
-    ``kahan_sum`` says."""
+    ``state_dtype`` changed since, or held as 8-bit codes and scales where the group quantizes
+    it (``quantized_state.ensure_quantized``); and p's ``kahan_comp`` created (zeros) or
+    dropped as ``kahan_sum`` says."""
     dtype = stored_dtype(p, group)
     for name in names:
+        if quantized_state.ensure_quantized(st, p, group, name, dtype):
+            continue
         if name not in st:
             st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif st[name].dtype != dtype:  # the group's state_dtype changed since (or a state
@@ -130,6 +141,14 @@ def ensure_state(st, p, group, names):
             st[KAHAN] = torch.zeros_like(p, memory_format=torch.preserve_format)
     else:
         st.pop(KAHAN, None)
+
+
+def buffer(st, name):
+    """The state column entry of buffer ``name``: the tensor, ``Quantized()`` when it is held
+    as codes and scales, ``None`` when the state has no such buffer."""
+    if name in st:
+        return st[name]
+    return Quantized() if name + quantized_state.CODES in st else None
 
 
 # ------------------------------------------------------------------ the write-back
@@ -145,7 +164,8 @@ class WriteBack:
 
     def __init__(self, group, group_index):
         self.group, self.group_index = group, group_index
-        self.records = []  # (stored, working, name, p, state, compensation or None)
+        # (stored or None: quantized, working, name, p, state, compensation or None)
+        self.records = []
         self._positions = None
 
     def params(self, params, states):
@@ -166,12 +186,15 @@ class WriteBack:
         return out
 
     def column(self, name, tensors, params, states):
-        """The state column ``name`` (``None`` where a route keeps no such buffer) in the
-        compute dtypes of ``params``."""
+        """The state column ``name`` (``None`` where a route keeps no such buffer,
+        ``Quantized()`` where it is held in 8 bits) in the compute dtypes of ``params``."""
         out = []
         for t, p, st in zip(tensors, params, states):
             dtype = compute_dtype(p, self.group)
-            if t is not None and t.dtype != dtype:
+            if isinstance(t, Quantized):  # LP4: x = s code[q], quantized again at the end
+                t = quantized_state.dequantize(st, name, self.group, dtype)
+                self.records.append((None, t, name, p, st, None))
+            elif t is not None and t.dtype != dtype:
                 copy = t.to(dtype)
                 self.records.append((t, copy, name, p, st, None))
                 t = copy
@@ -192,11 +215,14 @@ class WriteBack:
     def finish(self):
         """Write every working copy back into its stored tensor (module docstring)."""
         if self.group["state_rounding"] == "stochastic":
-            _round_back(self.records, self.group["rounding_seed"], self.group_index,
+            _round_back(self.records, self.group, self.group_index,
                         [self.position(r[3]) for r in self.records])
             return
-        for stored, working, _, _, _, comp in self.records:
-            _nearest_back(stored, working, comp)
+        for stored, working, name, _, st, comp in self.records:
+            if stored is None:
+                quantized_state.quantize_into(st, name, self.group, working)
+            else:
+                _nearest_back(stored, working, comp)
 
 
 def _nearest_back(stored, working, comp):
@@ -206,8 +232,12 @@ def _nearest_back(stored, working, comp):
 
 
 @torch._dynamo.disable
-def _round_back(records, seed, group_index, positions):
+def _round_back(records, group, group_index, positions):
+    seed = group["rounding_seed"]
     for (stored, working, name, _, st, comp), position in zip(records, positions):
+        if stored is None:  # 8-bit: the quantizer is the rounding
+            quantized_state.quantize_into(st, name, group, working)
+            continue
         if comp is not None or stored.dtype not in ROUNDING_DTYPES:
             _nearest_back(stored, working, comp)  # Kahan's parameter write is nearest
             continue
@@ -252,24 +282,37 @@ class _Shielded:
 
 def _keeps_state_dtype(key, value):
     """A state entry stored in ``state_dtype``: not ``step`` (a CPU counter), ``prev_param``
-    (x_{t-1}), ``previous_grad`` (a copy of ``.grad``) or ``kahan_comp`` (the parameter's
-    dtype)."""
+    (x_{t-1}), ``previous_grad`` (a copy of ``.grad``), ``kahan_comp`` (the parameter's
+    dtype) or a quantized buffer's codes and scales (``_unshielded``)."""
     return key not in PARAM_DTYPE_KEYS and torch.is_tensor(value) and value.is_floating_point()
+
+
+def _unshielded(key, tensor, p, group):
+    """A shielded entry on p's device in its stored dtype: codes stay uint8, scales float32,
+    the rest in the group's ``state_dtype`` (or p's dtype)."""
+    if quantized_state.is_quantized_entry(key):
+        dtype = torch.uint8 if key.endswith(quantized_state.CODES) else torch.float32
+        return tensor.to(device=p.device, dtype=dtype)
+    return tensor.to(device=p.device, dtype=group["state_dtype"] or p.dtype)
 
 
 def shield_state_dtype(optimizer, state_dict):
     """Load pre-hook (the last one): the state of saved groups with a ``state_dtype`` shielded
-    from torch's cast; the dict the caller's hooks returned, ids as they left them.  A saved
-    group without the key (the authors' format, or ours from before the option) gets the
-    constructor's ``state_dtype``, as ``__setstate__`` back-fills it into the loaded group."""
+    from torch's cast, and every quantized buffer's codes (torch would make them floats) and
+    scales (float32 whatever the parameter); the dict the caller's hooks returned, ids as they
+    left them.  A saved group without the key (the authors' format, or ours from before the
+    option) gets the constructor's ``state_dtype``, as ``__setstate__`` back-fills it into the
+    loaded group."""
     state = dict(state_dict["state"])
     for group in state_dict["param_groups"]:
         dtype = group.get("state_dtype", optimizer.defaults.get("state_dtype"))
         for i in group["params"]:
-            if dtype is None or i not in state_dict["state"]:
+            if i not in state_dict["state"]:
                 continue
-            state[i] = {key: _Shielded(value) if _keeps_state_dtype(key, value) else value
-                        for key, value in state[i].items()}
+            state[i] = {key: _Shielded(value) if (
+                            dtype is not None and _keeps_state_dtype(key, value)) or (
+                            torch.is_tensor(value) and quantized_state.is_quantized_entry(key))
+                        else value for key, value in state[i].items()}
     return {**state_dict, "state": state}
 
 
@@ -283,8 +326,7 @@ def unshield_state_dtype(optimizer):
             st = optimizer.state[p]
             for key, value in st.items():
                 if isinstance(value, _Shielded):
-                    st[key] = value.tensor.to(device=p.device,
-                                              dtype=group["state_dtype"] or p.dtype)
+                    st[key] = _unshielded(key, value.tensor, p, group)
 
 
 def load_state_dict_keeping_storage(optimizer, load, state_dict):

@@ -130,6 +130,14 @@ class MARS(Optimizer):
             a step starts from x = p + c in float32 and writes p = RN(x), c = RN(x - p), so p
             follows the float32 trajectory to within an ulp.  float32 / float64 parameters
             lose nothing and keep no buffer.  Default ``False``.
+        state_quantization (None or ``"blockwise8"``), block_size (int): LP4, ``exp_avg``
+            (signed map), ``exp_avg_sq`` and ``max_exp_avg_sq`` (unsigned) held as
+            ``<name>_codes`` (uint8) and ``<name>_absmax`` (float32 per block of
+            ``block_size`` values, default 256): a step computes on
+            :math:`\hat x = s\,\mathrm{code}[q]` in float32 at least and writes
+            :math:`q = \arg\min_k |x/s - \mathrm{code}[k]|`, s = max |x| per block.
+            ``last_grad`` keeps ``state_dtype``.  Every tensor of the group must fill a
+            block; complex and DTensor parameters are refused (``paper_notes/quantized_state.md``).
         maximize (bool): ascend instead. foreach (bool or None): multi-tensor kernels; ``None``
             picks them when every parameter is on CUDA.
         compiled (bool or str): ``True`` / ``"tensor"``: run each tensor's elementwise step as
@@ -185,7 +193,8 @@ class MARS(Optimizer):
     rules (not allocated for Lion or Shampoo matrices, spec B6); ``max_exp_avg_sq`` with
     amsgrad; ``last_grad`` for tensors on the MARS path (a copy of the raw g, never an alias
     of ``p.grad``, spec B1); ``prev_param`` (x_{t-1}) in exact mode; ``kahan_comp`` with
-    ``kahan_sum`` (16-bit parameters).  ``init_state()`` creates
+    ``kahan_sum`` (16-bit parameters); ``<name>_codes`` and ``<name>_absmax`` for a moment
+    held in 8 bits.  ``init_state()`` creates
     the first step's state up front (counters at 0), so that torchtitan's and DCP's
     zero-gradient init step, which would advance the counters, does nothing.
 
@@ -203,7 +212,8 @@ class MARS(Optimizer):
                  ns_dtype=torch.bfloat16, ns_coefficients="authors",
                  weight_decay_1d_source="constructor",
                  state_dtype=None, state_rounding="nearest", rounding_seed=None,
-                 kahan_sum=False, maximize=False, foreach=None, compiled=False,
+                 kahan_sum=False, state_quantization=None, block_size=256,
+                 maximize=False, foreach=None, compiled=False,
                  shape_layout="out_in", orthogonalize_on="owner", matrix_batch_dims=0,
                  fused=None, capturable=False, differentiable=False):
         lr_value = _lr_value(lr)
@@ -222,6 +232,7 @@ class MARS(Optimizer):
                         weight_decay_1d_source=weight_decay_1d_source,
                         state_dtype=state_dtype, state_rounding=state_rounding,
                         rounding_seed=rounding_seed, kahan_sum=kahan_sum,
+                        state_quantization=state_quantization, block_size=block_size,
                         maximize=maximize, foreach=foreach,
                         compiled=compiled, shape_layout=shape_layout,
                         orthogonalize_on=orthogonalize_on, matrix_batch_dims=matrix_batch_dims,
@@ -363,7 +374,7 @@ class MARS(Optimizer):
             for name, column in (("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
                                  ("max_exp_avg_sq", max_exp_avg_sqs),
                                  ("last_grad", last_grads)):
-                column.append(st.get(name) if name in buffers else None)
+                column.append(state_storage.buffer(st, name) if name in buffers else None)
             steps.append(st["step"])
             kinds.append(kind)
             scales.append(_true_shape_scale(p, group))

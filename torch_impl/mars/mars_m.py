@@ -113,6 +113,11 @@ class MARSM(Optimizer):
             name_word(key), t)`` (LP2) or RN(w) (``"nearest"``, default), and 16-bit
             parameters with ``kahan_sum`` stepping from x = p + c (LP3: p = RN(x),
             c = RN(x - p), c in ``kahan_comp``).
+        state_quantization (None or ``"blockwise8"``), block_size (int, default 256): LP4 as
+            ``MARS``'s: ``momentum_buffer`` and ``moment1`` (signed map), ``moment2``
+            (unsigned) held as ``<name>_codes`` / ``<name>_absmax``, dequantized into the
+            step's float32 working copy and quantized back; ``last_grad`` keeps
+            ``state_dtype``.
         maximize (bool), foreach (bool or None): as in ``torch.optim``.
         compiled (bool): one ``torch.compile``d call per shape (``mars_m_compiled.py``; the
             same equation functions), fusing the corrections with one batched Newton-Schulz
@@ -128,7 +133,8 @@ class MARSM(Optimizer):
     State: matrices ``step``, ``momentum_buffer``, ``last_grad`` (not with ``efficient``),
     ``prev_param`` (closure exact mode) or ``previous_grad`` (the authors' exact loop); the
     backup ``step``, ``moment1``, ``moment2`` -- the authors' names; ``kahan_comp`` with
-    ``kahan_sum`` (16-bit parameters).  ``init_state()`` creates
+    ``kahan_sum`` (16-bit parameters); ``<name>_codes`` and ``<name>_absmax`` for a buffer
+    held in 8 bits.  ``init_state()`` creates
     them up front (counters at 0), so that torchtitan's and DCP's zero-gradient init step,
     which would advance the counters, does nothing.
 
@@ -144,7 +150,8 @@ class MARSM(Optimizer):
                  adamw_eps=1e-8, *, rule="auto", efficient=False, ns_dtype=torch.bfloat16,
                  ns_coefficients="authors", orthogonalizer="newton_schulz", shape_layout="out_in",
                  state_dtype=None, state_rounding="nearest", rounding_seed=None,
-                 kahan_sum=False, maximize=False, foreach=None, compiled=False,
+                 kahan_sum=False, state_quantization=None, block_size=256,
+                 maximize=False, foreach=None, compiled=False,
                  orthogonalize_on="owner", matrix_batch_dims=0, fused=None, capturable=False,
                  differentiable=False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
@@ -153,7 +160,8 @@ class MARSM(Optimizer):
                         ns_coefficients=ns_coefficients, orthogonalizer=orthogonalizer,
                         shape_layout=shape_layout, state_dtype=state_dtype,
                         state_rounding=state_rounding, rounding_seed=rounding_seed,
-                        kahan_sum=kahan_sum, maximize=maximize, foreach=foreach,
+                        kahan_sum=kahan_sum, state_quantization=state_quantization,
+                        block_size=block_size, maximize=maximize, foreach=foreach,
                         compiled=compiled, orthogonalize_on=orthogonalize_on,
                         matrix_batch_dims=matrix_batch_dims, fused=fused,
                         capturable=capturable,
@@ -282,10 +290,10 @@ class MARSM(Optimizer):
         for p, kind, st in self._create_state(group, live):
             params.append(p)
             grads.append(p.grad)
-            bufs.append(st.get("momentum_buffer"))
+            bufs.append(state_storage.buffer(st, "momentum_buffer"))
             lasts.append(st.get("last_grad"))
-            m1.append(st.get("moment1"))
-            m2.append(st.get("moment2"))
+            m1.append(state_storage.buffer(st, "moment1"))
+            m2.append(state_storage.buffer(st, "moment2"))
             steps.append(st["step"])
             kinds.append(kind)
 

@@ -152,7 +152,8 @@ class MKOR(PreconditionedOptimizer):
             broadcast when distributed. Each write's stream is ``stream_seed(rounding_seed,
             layer index, name_word("L_inv" or "R_inv"), step)``
             (:mod:`torch_impl.kronecker.factor_storage`): no rank word, so replicated factors
-            round identically on every rank.
+            round identically on every rank. The seed in use: :attr:`rounding_seed` (None
+            with "nearest").
         average: "once" | "double" (distributed vector averaging, spec 2.7).
         comm_dtype: dtype of the all-reduce buffer (default: the compute dtype); float16
             / bfloat16 halve the traffic at a stated error (:mod:`.distributed`).

@@ -11,6 +11,7 @@ T_ROUND = "torch_impl/common/rounding.py"
 T_LAMB = "torch_impl/baselines/lamb.py"
 T_STORAGE = "torch_impl/common/state_storage.py"
 T_EXACT = "torch_impl/mars/exact_mode.py"
+T_QUANTIZED = "torch_impl/common/quantized_state.py"
 _WORDS = '        words = (seed, group_index, position, name_word(name), int(st["step"]))'
 T_MARS_M = "torch_impl/mars/mars_m.py"
 _KEEPING = ("        state_storage.load_state_dict_keeping_storage(self, super().load_state_dict,\n"
@@ -60,8 +61,8 @@ MUTANTS = {
         Mutant(T_STORAGE, '    return group["kahan_sum"] and p.dtype in ROUNDING_DTYPES',
                '    return group["kahan_sum"]'),
         # the step of a Kahan parameter not widened: bf16 arithmetic, no compensation at all
-        Mutant(T_STORAGE, '    if group["state_rounding"] == "stochastic" or kahan_applies(p, group):',
-               '    if group["state_rounding"] == "stochastic":'),
+        Mutant(T_STORAGE, '    if group["state_rounding"] == "stochastic" or kahan_applies(p, group) or \\',
+               '    if group["state_rounding"] == "stochastic" or \\'),
         # the buffer kept when kahan_sum is turned off
         Mutant(T_STORAGE, "        st.pop(KAHAN, None)", "        pass"),
         # init_state (and the step) never create the buffer: Kahan silently off
@@ -94,8 +95,40 @@ MUTANTS = {
         # ... with the stream of the step that wrote it, not of the step that reads it
         Mutant(T_EXACT, '                            G_PREV, float(st.get("step", 0)) + 1)',
                '                            G_PREV, float(st.get("step", 0)))'),
+        # the shards of a DTensor share one stream (the mesh coordinate dropped)
+        Mutant(T_STORAGE, "stream_seed(*words, *coordinate)", "stream_seed(*words)"),
         # a group that cannot round accepted (float32 state: stochastic silently does nothing)
         Mutant(T_STORAGE, "            _check_roundable(p, stored_dtype(p, group))", "            pass"),
+    ],
+    "QUANT8-STATE-PORT": [
+        # a second moment on the signed map (half its codes never used)
+        Mutant(T_QUANTIZED, '"exp_avg_sq": False, "max_exp_avg_sq": False,',
+               '"exp_avg_sq": True, "max_exp_avg_sq": False,'),
+        Mutant(T_QUANTIZED, '"momentum_buffer": True, "moment1": True, "moment2": False}',
+               '"momentum_buffer": False, "moment1": True, "moment2": False}'),
+        # the step reads zeros instead of the dequantized moment
+        Mutant(T_STORAGE, "                t = quantized_state.dequantize(st, name, self.group, dtype)",
+               "                t = torch.zeros_like(p, dtype=dtype)"),
+        # the new moment never quantized back (nearest and stochastic write-backs)
+        Mutant(T_STORAGE, "                quantized_state.quantize_into(st, name, self.group, working)",
+               "                pass"),
+        Mutant(T_STORAGE, "            quantized_state.quantize_into(st, name, group, working)",
+               "            pass"),
+        # torch's load casts the codes to the parameter's floating dtype
+        Mutant(T_STORAGE, "                            torch.is_tensor(value) and quantized_state.is_quantized_entry(key))",
+               "                            False)"),
+        # the scales loaded in the state dtype (bf16 for a bf16 parameter)
+        Mutant(T_STORAGE, "        dtype = torch.uint8 if key.endswith(quantized_state.CODES) else torch.float32",
+               "        dtype = torch.uint8 if key.endswith(quantized_state.CODES) else (group[\"state_dtype\"] or p.dtype)"),
+        # the step of a bf16 parameter computed in bf16 on the dequantized moments
+        Mutant(T_STORAGE, '            group.get("state_quantization"):', "            False:"),
+        # a tensor smaller than a block accepted
+        Mutant(T_QUANTIZED, "        if p.numel() < block:", "        if False:"),
+        # a changed block size accepted (the scales then belong to other blocks)
+        Mutant(T_QUANTIZED, "        if st[name + ABSMAX].numel() != blocks:", "        if False:"),
+        # the codes written with another block size than the scales were read with
+        Mutant(T_QUANTIZED, '    codes, absmax = quantize_blockwise(values, _code(name, values.device), group["block_size"])',
+               '    codes, absmax = quantize_blockwise(values, _code(name, values.device), 256)'),
     ],
     # state_dtype on MARS-M and LAMB (MARS's own mutants: mutants/mars.py, same row)
     "PORT-STATE-DTYPE": [

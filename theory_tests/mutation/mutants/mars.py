@@ -527,8 +527,8 @@ MUTANTS = {
                        'mars_equations.FALLBACK) else []',
                '            buffers += ["exp_avg_sq"] if kind in (mars_equations.ADAMW, '
                'mars_equations.FALLBACK, mars_equations.LION) else []'),
-        Mutant(T_STATE_STORAGE, '            if dtype is None or i not in state_dict["state"]:',
-               '            if dtype is not None or i not in state_dict["state"]:'),
+        Mutant(T_STATE_STORAGE, "                            dtype is not None and _keeps_state_dtype(key, value)) or (",
+               "                            dtype is None and _keeps_state_dtype(key, value)) or ("),
         Mutant(T_MARS, '                st["step"] = torch.tensor(float(st["step"]))',
                '                st["step"] = st["step"]'),
     ],

@@ -12,6 +12,8 @@ T_FUNCTIONAL = "torch_impl/mars/functional.py"
 R_ROUNDING = "reference/common/rounding.py"
 S_ROUNDING_LAW = "theory_tests/support/rounding_law.py"
 S_OPTIMI = "theory_tests/support/optimi_conventions.py"
+T_ROUNDING = "torch_impl/common/rounding.py"
+T_STORAGE = "torch_impl/common/state_storage.py"
 
 
 MUTANTS = {
@@ -66,26 +68,28 @@ MUTANTS = {
     ],
     "PEER-TORCHAO": [
         # the oracle's upper neighbour one spacing too far; the verdict's band on any column
-        # instead of every one; HeavyBall's bf16 storage mapped to our nearest (killed once
-        # state_rounding lands: its test skips until then)
+        # instead of every one; HeavyBall's bf16 storage mapped to our nearest
         Mutant(R_ROUNDING, "    hi = np.where(lo == x, x, lo + ulp)",
                "    hi = np.where(lo == x, x, lo + 2 * ulp)"),
         Mutant(S_ROUNDING_LAW, "    band = (dev <= Z * sigma + 1).all()",
                "    band = (dev <= Z * sigma + 1).any()"),
         Mutant(S_HEAVYBALL, '        return dict(state_dtype=torch.bfloat16, state_rounding="stochastic")',
                '        return dict(state_dtype=torch.bfloat16, state_rounding="nearest")'),
-        # our float32 -> bf16 path with 15 random bits (P(up) = max(0, bits - 2^15) / 2^15):
-        # killed by the tests of ours, once state_rounding lands
-        Mutant("torch_impl/common/rounding.py",
+        # ours: the float32 -> bf16 path with 15 random bits (P(up) = max(0, bits - 2^15) /
+        # 2^15); the 16-bit parameter written to nearest (as torchao writes its state)
+        Mutant(T_STORAGE, "        if comp is not None or stored.dtype not in ROUNDING_DTYPES:",
+               "        if comp is not None or stored.dtype not in ROUNDING_DTYPES or name == PARAM:"),
+        Mutant(T_ROUNDING,
                "        r = torch.randint(0, 1 << 16, x.shape, generator=g, device=x.device, dtype=torch.int32)",
                "        r = torch.randint(0, 1 << 15, x.shape, generator=g, device=x.device, dtype=torch.int32)"),
     ],
     "PEER-OPTIMI": [
-        # spacings of the wrong binade; ours without the compensation (killed once kahan_sum
-        # lands: its tests skip until then)
+        # spacings of the wrong binade; the map without the compensation; ours with the
+        # Kahan term dropped (c' = 0: each step loses what RN(x) lost)
         Mutant(S_OPTIMI, "    spacing = torch.exp2(torch.floor(torch.log2(reference.abs())) - 7)",
                "    spacing = torch.exp2(torch.floor(torch.log2(reference.abs())) - 6)"),
         Mutant(S_OPTIMI, '        kahan = sixteen if h["kahan_sum"] is None else bool(h["kahan_sum"]) and sixteen',
                '        kahan = False'),
+        Mutant(T_STORAGE, "        comp.copy_(working.sub(stored))", "        comp.zero_()"),
     ],
 }
