@@ -268,8 +268,8 @@ def table(report):
             mark = "" if e["matches"] else f" ≠ {e['closed_form_bytes_per_param']:.3f}"
             cells.append(f"{e['bytes_per_param']:.3f}{mark} | {_cell(e)}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    machine = (f"{report['date']}, {report['device']} ({report['cpu']}), {report['threads']} "
-               f"threads, torch {report['torch']}, load average {report['load_average']:.1f} "
+    machine = (f"{report['date']}, {report['device']} ({report['cpu']}), torch threads "
+               f"{report['threads']}, torch {report['torch']}, load average {report['load_average']:.1f} "
                f"at the start and {report.get('load_average_end', float('nan')):.1f} at the "
                f"end, median of {report['repeats']} interleaved rounds, Newton–Schulz "
                f"in {report['ns_dtype']}")
