@@ -14,13 +14,17 @@ optimizer and option (issue 47 item 5; the rows: ``figures.bench.state_rows``).
 * Time: ``optimizer.step()`` alone, in the same run as ``torch.optim.AdamW(foreach=True)`` on
   the same model: rounds interleave AdamW and up to ``GROUP - 1`` rows (models alive at once
   stay few), median over rounds, each row divided by its round's AdamW. First-order rows step
-  on a fixed gradient (as ``optimizer_step.py``); MKOR and K-FAC rows take a fresh forward and
+  on a fixed gradient (as ``optimizer_step.py``), as many steps per round as last
+  ``MIN_ROUND_SECONDS``; MKOR and K-FAC rows take a fresh forward and
   backward (untimed: their capture hooks' cost is ``capture_cost.py``'s) before each of
   ``INV_FREQ`` timed steps per round, so a round holds one factor update. MARS exact mode is
   measured for memory only (its step is two forward-backward passes).
 * Models: ``mlp`` (2 hidden layers of 512, 0.53M parameters, batch 64), ``gpt5m`` (the figures'
-  GPT, width 256, 6 blocks, vocab 1024: 5.3M, batch 2 x 32 tokens) and ``gpt25m`` (width 384,
-  14 blocks: 25.6M).
+  GPT, width 256, 6 blocks, vocab 1024: 5.3M, batch 2 x 32 tokens) and ``gpt11m`` (width 384,
+  6 blocks: 11.4M). With a 25.6M GPT (width 384, 14 blocks) instead, one repeat had not
+  finished after 50 minutes on this shared 2-core machine (K-FAC's 28 eigendecompositions of
+  1537 x 1537 per factor update, MKOR's forward-backward passes): the sizes keep the bench to
+  minutes on an idle machine.
 
 Prints a Markdown table and a JSON line; ``--write-page`` also writes them into
 figures/bench/README.md (between the state-memory markers) and figures/bench/state_memory.json.
@@ -28,6 +32,7 @@ figures/bench/README.md (between the state-memory markers) and figures/bench/sta
 import argparse
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -48,6 +53,9 @@ HERE = pathlib.Path(__file__).parent
 PAGE, JSON_OUT = HERE / "README.md", HERE / "state_memory.json"
 BEGIN, END = "<!-- state_memory: begin -->", "<!-- state_memory: end -->"
 GROUP = 5  # AdamW + 4 rows alive at once
+# a first-order row times consecutive steps until a round lasts this long (a step of a small
+# model takes about a millisecond, the size of a scheduler's time slice on a loaded machine)
+MIN_ROUND_SECONDS = 0.05
 
 
 def measured_bytes(optimizer):
@@ -94,7 +102,7 @@ def _mlp_size():
 
 # name -> (label, make() -> (model, inputs, target, loss_fn))
 SIZES = {"mlp": ("MLP 0.53M", _mlp_size), "gpt5m": ("GPT 5.3M", _gpt_size(256, 6)),
-         "gpt25m": ("GPT 25.6M", _gpt_size(384, 14))}
+         "gpt11m": ("GPT 11.4M", _gpt_size(384, 6))}
 
 
 class Contender:
@@ -111,6 +119,7 @@ class Contender:
             else target.to(device)
         self.loss_fn = loss_fn
         self.opt = row.build(self.model, ns_dtype)
+        self.steps_per_round = INV_FREQ if row.kronecker else 1
         self.prepare(force=True)
 
     def loss(self):
@@ -138,9 +147,6 @@ class Contender:
         else:
             self.opt.step()
 
-    def steps_per_round(self):
-        return INV_FREQ if self.row.kronecker else 1
-
     def close(self):
         if hasattr(self.opt, "remove_hooks"):
             self.opt.remove_hooks()
@@ -153,7 +159,7 @@ def _sync(device):
 
 def _round(contender, device):
     """Seconds per step over one round of ``steps_per_round`` steps (preparation untimed)."""
-    total, k = 0.0, contender.steps_per_round()
+    total, k = 0.0, contender.steps_per_round
     for _ in range(k):
         contender.prepare()
         _sync(device)
@@ -190,6 +196,9 @@ def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
         for c in contenders:  # warm-up: state creation, the first factor update (any
             c.prepare()       # INV_FREQ consecutive steps after it hold one more)
             c.step()
+            if not c.row.kronecker:
+                one = _round(c, device)
+                c.steps_per_round = max(1, min(100, math.ceil(MIN_ROUND_SECONDS / one)))
         for _ in range(repeats):
             for c in contenders:
                 times[c.row.name].append(_round(c, device))
@@ -198,7 +207,8 @@ def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
               flush=True)
         for c in contenders:
             t = statistics.median(times[c.row.name])
-            entry = {**_memory(c), "seconds": t, "adamw_seconds": ref, "ratio": t / ref}
+            entry = {**_memory(c), "seconds": t, "adamw_seconds": ref, "ratio": t / ref,
+                     "steps_per_round": c.steps_per_round}
             if c.row is baseline:
                 results.setdefault(baseline.name, {**entry, "runs": []})["runs"].append(t)
             else:
@@ -211,9 +221,9 @@ def run_size(rows, make, repeats, device, ns_dtype, group=GROUP):
     return {r.name: results[r.name] for r in rows if r.name in results}
 
 
-def run(sizes, repeats, device, ns_dtype, rows=None):
+def run(sizes, repeats, device, ns_dtype, rows=None, on_size=None):
     """The report: machine line, rows not available in this tree, and per size the results
-    (``rows``: default ``ROWS``)."""
+    (``rows``: default ``ROWS``; ``on_size(report)`` after each size: a partial report)."""
     rows = ROWS if rows is None else rows
     available = [r for r in rows if not r.missing()]
     report = {"date": datetime.date.today().isoformat(), "device": str(device),
@@ -225,12 +235,15 @@ def run(sizes, repeats, device, ns_dtype, rows=None):
               "sizes": {}}
     for name in sizes:
         label, make = SIZES[name]
-        model = make()[0]
+        n_params = sum(p.numel() for p in make()[0].parameters())
         start = time.perf_counter()
         print(f"{label}: {len(available)} rows", file=sys.stderr, flush=True)
         results = run_size(available, make, repeats, device, ns_dtype)
-        report["sizes"][name] = {"label": label, "params": sum(p.numel() for p in model.parameters()),
+        report["sizes"][name] = {"label": label, "params": n_params,
                                  "seconds_to_run": time.perf_counter() - start, "rows": results}
+        report["load_average_end"] = os.getloadavg()[0]
+        if on_size is not None:
+            on_size(report)
     return report
 
 
@@ -255,9 +268,10 @@ def table(report):
             mark = "" if e["matches"] else f" ≠ {e['closed_form_bytes_per_param']:.3f}"
             cells.append(f"{e['bytes_per_param']:.3f}{mark} | {_cell(e)}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    machine = (f"{report['date']}, {report['device']} ({report['cpu']}), {report['threads']} "
-               f"threads, torch {report['torch']}, load average {report['load_average']:.1f} "
-               f"at the start, median of {report['repeats']} interleaved rounds, Newton–Schulz "
+    machine = (f"{report['date']}, {report['device']} ({report['cpu']}), torch threads "
+               f"{report['threads']}, torch {report['torch']}, load average {report['load_average']:.1f} "
+               f"at the start and {report.get('load_average_end', float('nan')):.1f} at the "
+               f"end, median of {report['repeats']} interleaved rounds, Newton–Schulz "
                f"in {report['ns_dtype']}")
     missing = "; ".join(f"{n} (needs {', '.join(m)})"
                         for n, m in report["not_available"].items()) or "none"
@@ -288,14 +302,22 @@ def main(argv=None):
     parser.add_argument("--ns-dtype", choices=["float32", "bfloat16"], default=None,
                         help="Newton-Schulz of MARS-Shampoo / MARS-M (default: bfloat16 on "
                              "CUDA, float32 on a CPU, where bf16 matmuls may be emulated)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 is steadier on a machine "
+                             "that other jobs load")
     parser.add_argument("--json", help="also write the JSON document here")
     parser.add_argument("--write-page", action="store_true",
                         help="write the table into figures/bench/README.md and the JSON into "
                              "figures/bench/state_memory.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     ns = args.ns_dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    report = run(args.sizes, args.repeats, device, getattr(torch, ns))
+    def save(partial):  # a long run keeps what it measured so far
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(partial, indent=1) + "\n")
+    report = run(args.sizes, args.repeats, device, getattr(torch, ns), on_size=save)
     print(table(report))
     if args.write_page:
         write_page(report)
