@@ -8,6 +8,7 @@ Hypothesis profiles (select with ``HYPOTHESIS_PROFILE=<name>``):
   needs one failing example, not the smallest one; shrinking cost minutes per mutant).
 """
 import os
+import pathlib
 
 import pytest
 import torch
@@ -59,6 +60,28 @@ def pytest_addoption(parser, pluginmanager):
         group._addoption("-n", "--numprocesses", dest="numprocesses", default=None,
                          help="ignored: xdist is not loaded")
         group.addoption("--dist", dest="dist", default="no", help="ignored: xdist is not loaded")
+
+
+# The folders whose tests run first, in this order; the rest follow in collection order. Their
+# tests are the suite's longest (forked gloo ranks, torchtitan's debug model, the figures' tiny
+# runs). xdist's worksteal hands each worker a contiguous half of the collection and steals
+# from the tail of a worker's queue, so a long test queued last leaves the other worker idle
+# at the end (simulated on measured per-test times: ~10 s of the default run's wall time).
+FIRST = ("integrations", "distributed", "figures")
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.hookimpl(trylast=True)  # after deselection and pytest's own fixture-scope ordering
+def pytest_collection_modifyitems(items):
+    """The tests under ``FIRST`` first (a stable sort: a module's tests stay together and in
+    their order, so a module-scoped fixture still runs once per worker)."""
+    def rank(item):
+        try:
+            folder = item.path.relative_to(HERE).parts[0]
+        except ValueError:  # not under theory_tests/
+            return len(FIRST)
+        return FIRST.index(folder) if folder in FIRST else len(FIRST)
+    items.sort(key=rank)
 
 
 CUDA = torch.cuda.is_available()

@@ -1,7 +1,11 @@
 """Fused experts under DDP and FSDP2 (issue 31): the per-expert row counts travel with the
 sums, so an expert routed no token on one rank adds zeros, and every rank's factors and
 parameters equal one process that runs every rank's batch with the loss averaged over the
-ranks (what DDP's gradient averaging computes)."""
+ranks (what DDP's gradient averaging computes).
+
+Each column's cases run in one job (DDP: both kinds; FSDP2: both kinds, both placements), and
+each kind's one-process run once: a forked rank pays for its first DDP / FSDP calls once. The
+tests, one per case, read those runs."""
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 f64 = torch.float64
 EXPERTS = "model.layers.0.mlp.experts"
+STEPS, WORLD = 3, 2
+KINDS = ("mkor", "kfac")
+PLACEMENTS = ("replicated", "owner")
 
 
 def _model():
@@ -56,6 +63,10 @@ def _routed(model, ids):
     return torch.bincount(seen["index"].reshape(-1), minlength=8)
 
 
+def _ddp_job(rank, world, kinds, steps):
+    return {kind: _on_ranks(rank, world, kind, steps) for kind in kinds}
+
+
 def _on_ranks(rank, world, kind, steps):
     model = nn.parallel.DistributedDataParallel(_model())
     pre = _optimizer(kind, model)
@@ -81,14 +92,25 @@ def _one_process(kind, steps, world):
     return _factors(pre), {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("kind", ["mkor", "kfac"])
-def test_ddp_experts_equal_one_process_on_the_union(kind):
-    steps, world = 3, 2
-    routed = [_routed(_model(), _batch(0, r)) for r in range(world)]
+@pytest.fixture(scope="module")
+def one_process():
+    """{kind: each kind's one-process run (factors, parameters)}."""
+    return {kind: _one_process(kind, STEPS, WORLD) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs():
+    """Every rank's {kind: its DDP run}."""
+    return run(_ddp_job, WORLD, KINDS, STEPS, timeout=120.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ddp_experts_equal_one_process_on_the_union(kind, one_process, ddp_runs):
+    routed = [_routed(_model(), _batch(0, r)) for r in range(WORLD)]
     # the premise: some expert gets pairs on one rank and none on the other
     assert any((routed[0] == 0) & (routed[1] > 0)) or any((routed[1] == 0) & (routed[0] > 0))
-    factors, params = _one_process(kind, steps, world)
-    for res in run(_on_ranks, world, kind, steps):
+    factors, params = one_process[kind]
+    for res in (r[kind] for r in ddp_runs):
         for name, ref in factors.items():
             for a, b in zip(res["factors"][name], ref):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
@@ -97,7 +119,11 @@ def test_ddp_experts_equal_one_process_on_the_union(kind):
         assert res["counters"]["non_finite"].sum() == 0
 
 
-def _fsdp_on_ranks(rank, world, kind, steps, placement):
+def _fsdp_job(rank, world, cases, steps):
+    return {case: _fsdp_on_ranks(rank, world, *case, steps) for case in cases}
+
+
+def _fsdp_on_ranks(rank, world, kind, placement, steps):
     from torch.distributed.fsdp import fully_shard
     model = _model()
     fully_shard(model.model.layers[0])  # the experts' stacks: Shard(0) on the expert axis
@@ -117,13 +143,19 @@ def _fsdp_on_ranks(rank, world, kind, steps, placement):
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("placement", ["replicated", "owner"])
-@pytest.mark.parametrize("kind", ["mkor", "kfac"])
-def test_fsdp2_experts_equal_one_process_on_the_union(kind, placement):
+@pytest.fixture(scope="module")
+def fsdp_runs():
+    """Every rank's {(kind, placement): its FSDP2 run's full parameters}."""
+    cases = tuple((kind, placement) for kind in KINDS for placement in PLACEMENTS)
+    return run(_fsdp_job, WORLD, cases, STEPS, timeout=120.0)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_experts_equal_one_process_on_the_union(kind, placement, one_process, fsdp_runs):
     """fully_shard shards each stack on its expert axis; the stack's gradient is gathered
     whole, preconditioned per expert and written back to each rank's experts."""
-    steps, world = 3, 2
-    _, params = _one_process(kind, steps, world)
-    for got in run(_fsdp_on_ranks, world, kind, steps, placement):
+    _, params = one_process[kind]
+    for got in (r[kind, placement] for r in fsdp_runs):
         for name, p in params.items():
             torch.testing.assert_close(got[name], p, rtol=1e-12, atol=1e-13, msg=name)

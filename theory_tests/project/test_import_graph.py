@@ -27,6 +27,8 @@ oracle.
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("torch_impl", "reference", "figures", "theory_tests")
 # (importer, imported): no module under the first imports one under the second
@@ -49,6 +51,14 @@ def _modules():
             parts = f.relative_to(ROOT).with_suffix("").parts
             mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return mods
+
+
+@pytest.fixture(scope="module")
+def project():
+    """(``_modules()``, the project's import graph): read once (every file parsed, ~2 s) for
+    the tests that read the real graph; a test that changes the graph changes a copy."""
+    mods = _modules()
+    return mods, {name: _imports(name, f, mods) for name, f in mods.items()}
 
 
 def _imports(name, f, mods, source=None):
@@ -163,9 +173,8 @@ def _through_own_init(cycle, mods):
                for a, b in zip(cycle, cycle[1:]))
 
 
-def test_the_project_has_no_import_circle():
-    mods = _modules()
-    graph = {name: _imports(name, f, mods) for name, f in mods.items()}
+def test_the_project_has_no_import_circle(project):
+    mods, graph = project
     # the graph sees imports at all, absolute and relative
     assert graph["figures.cli"] and graph["theory_tests.mutation.mutants"]
     circles = [c for c in _cycles(graph) if not _through_own_init(c, mods)]
@@ -244,12 +253,11 @@ def test_the_check_finds_a_circle_behind_import_module():
     assert not [c for c in _cycles(graph) if not _through_own_init(c, mods)]
 
 
-def test_the_real_cli_imports_every_experiment_and_none_imports_it_back():
+def test_the_real_cli_imports_every_experiment_and_none_imports_it_back(project):
     """``figures.cli`` reaches every ``figures.experiments.*`` module through
     ``import_module(f"figures.experiments.{name}")``; putting back the import that closed the
     loop (``budget_scan.redraw``'s ``from ..cli import FIGURES``) makes the check fail."""
-    mods = _modules()
-    graph = {name: _imports(name, f, mods) for name, f in mods.items()}
+    mods, graph = project[0], dict(project[1])  # a copy: one entry is replaced below
     experiments = {m for m in mods if m.startswith("figures.experiments.")}
     assert "figures.experiments.budget_scan" in experiments and len(experiments) >= 10
     assert experiments <= graph["figures.cli"]
@@ -272,9 +280,8 @@ def breaches(graph, walls=WALLS):
                   for importer, imported in walls if _under(a, importer) and _under(b, imported))
 
 
-def test_no_import_crosses_a_wall():
-    mods = _modules()
-    graph = {name: _imports(name, f, mods) for name, f in mods.items()}
+def test_no_import_crosses_a_wall(project):
+    _, graph = project
     # the graph sees both methods' imports of the engine, and MKOR's oracle its common rules
     assert "torch_impl.kronecker.optimizer" in graph["torch_impl.baselines.kfac"]
     assert "torch_impl.kronecker.capture" in graph["torch_impl.mkor.preconditioner"]
