@@ -108,25 +108,9 @@ def moe_model(seed=0, dtype=torch.float64, dim=32, layers=2, experts=4, top_k=2,
     router with route_norm, ``GroupedExperts`` behind the local token dispatcher, the expert
     bias of auxiliary-loss-free load balancing) at a test's size, with SDPA attention as
     :func:`debug_model` (module docstring); ``load_balance=False`` drops the expert bias."""
-    from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.rope import CosSinRoPE
-    from torchtitan.models import qwen3
-    head_dim = 16
-    cfg = qwen3.Qwen3Model.Config(
-        vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                        param_init=qwen3._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab,
-                              param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_moe_layers(
-            fuse_qkv=True, n_layers=layers, dim=dim, n_heads=2, n_kv_heads=1,
-            head_dim=head_dim, moe_hidden_dim=hidden, num_experts=experts, top_k=top_k,
-            attn_backend="flex", moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6)))
-    if not load_balance:
-        for layer in cfg.layers:
-            layer.moe.load_balance_coeff = None
-    return _build(cfg, seed, dtype)
+    from theory_tests.support.torchtitan_ep import ep_model
+    return ep_model("qwen3", 1, seed, dtype, vocab, dim, layers, experts, top_k, hidden,
+                    load_balance)
 
 
 class OneProcess:
