@@ -82,9 +82,9 @@ from ..common.validation import check_choice, check_int, check_number
 from ..kronecker.capture import Capture, weak_schedule
 from ..kronecker.discovery import (discover, unwrap_model, warn_identity_sides,
                                    warn_nothing_preconditioned)
-from ..kronecker.exchange import Packet, world_size
+from ..kronecker.exchange import LOCAL, Packet, world_size
 from ..kronecker.optimizer import PreconditionedOptimizer
-from ..kronecker.placement import (FullGradients, OwnerGradients, check_supported_sharding,
+from ..kronecker.placement import (gradients_of, check_supported_sharding,
                                    owner_map, owns)
 from .kfac_curvature import (ColumnSums, check_flavour_options, column_sums,
                              curvature_backward)
@@ -100,6 +100,12 @@ def _stack(layer):
     """() for one layer, (E,) for a stack of E experts (``layer.experts``)."""
     E = getattr(layer, "experts", None)
     return () if E is None else (E,)
+
+
+def _kept(layer):
+    """() for one layer, (E,) for the experts of a stack whose factors this rank keeps (under
+    expert parallelism its held ones, ``layer.kept``)."""
+    return () if getattr(layer, "experts", None) is None else (layer.kept,)
 
 
 def _per_matrix(x):
@@ -233,14 +239,23 @@ class KFAC(PreconditionedOptimizer):
         (destination None), then each owning rank's layers' sums reduced to it (its global
         rank). Sums travel: A's [-1, -1] entry (the bias column's 1 * 1 summed) is the row
         count; a layer with several rows per sample (Conv2d) also sends its samples."""
-        groups = {None: [l for l in self._layers if l.name not in self._owners]}
+        ep = [l for l in self._layers if l.expert_shard is not None]
+        groups = {None: [l for l in self._layers if l.name not in self._owners
+                         and l.expert_shard is None]}
         for layer in self._layers:
             if layer.name in self._owners:
                 rank, group = self._owners[layer.name]
                 groups.setdefault(dist.get_global_rank(group, rank), []).append(layer)
         routes = []
-        for dst in [None] + sorted(d for d in groups if d is not None):
-            layers = groups[dst]
+        # expert parallelism: a stack's sums travel over its row group alone (no collective
+        # where that is this rank), each rank then keeping its held experts' (experts/parallel.py)
+        by_rows = {}
+        for layer in ep:
+            by_rows.setdefault(id(layer.expert_shard.row_group), []).append(layer)
+        plan = [(dst, groups[dst], self.process_group) for dst in
+                [None] + sorted(d for d in groups if d is not None)]
+        plan += [(None, layers, layers[0].expert_shard.row_group) for layers in by_rows.values()]
+        for dst, layers, group in plan:
             if not layers:
                 continue
             # a stack of experts sends its (E,) row counts as one more tensor
@@ -250,7 +265,7 @@ class KFAC(PreconditionedOptimizer):
                  ([(l.experts,)] if l.experts is not None else []) for l in layers],
                 [l.has_bias and not l.identity_R and l.experts is None for l in layers],
                 self._dtype, sums=True)
-            routes.append((dst, layers, packet))
+            routes.append((dst, layers, packet, group))
         return routes
 
     @staticmethod
@@ -265,7 +280,7 @@ class KFAC(PreconditionedOptimizer):
         if not owns(self._owners, layer.name):  # another rank keeps it (DCP: one copy)
             return {}
         dev = layer.module.weight.device
-        stack = _stack(layer)  # a stack of experts: one counter and factor per expert
+        stack = _kept(layer)  # a stack of experts: one counter and factor per (held) expert
         state = {k: torch.zeros(stack, dtype=torch.int64, device=dev)
                  for k in ("updates", "non_finite", "overflow", "no_rows")}
         s_A, s_G = self.factor_init_scale
@@ -282,7 +297,8 @@ class KFAC(PreconditionedOptimizer):
         (sum_m (d_in'^2 + d_out^2) + #bias-free layers + #Conv2d layers) x itemsize, a stack
         of E experts counting as E layers whose E row counts travel (E (d_in'^2 + d_out^2 + 1)
         + 1 entries: its unused per-layer count slot included)."""
-        return sum(packet.nbytes for *_, packet in self._routes)
+        return sum(packet.nbytes for _, _, packet, group in self._routes
+                   if group is not LOCAL)
 
     @property
     def skipped_updates(self):
@@ -362,7 +378,7 @@ class KFAC(PreconditionedOptimizer):
                 out.append((layer, a_sum / rows, s_sum * samples / scale / scale, present))
             return out
         out = []
-        for dst, layers, packet in self._routes:
+        for dst, layers, packet, group in self._routes:
             items, counts = [], []
             for layer in layers:
                 if layer.name not in mine:
@@ -381,10 +397,11 @@ class KFAC(PreconditionedOptimizer):
                 items.append([a_sum, s_sum] + extra)
                 counts.append(rows)
             device = self._layers[0].module.weight.device
-            reduction = (packet.all_reduce(items, device, self.process_group, counts=counts)
+            reduction = (packet.all_reduce(items, device, group, counts=counts)
                          if dst is None else
-                         packet.reduce(items, device, dst, self.process_group, counts=counts))
-            self.communicated_bytes += packet.nbytes
+                         packet.reduce(items, device, dst, group, counts=counts))
+            if world_size(group) > 1:
+                self.communicated_bytes += packet.nbytes
             if dst is not None and dist.get_rank() != dst:
                 continue  # the owner alone holds these sums, and these factors
             for layer, (sums, rows) in zip(layers, reduction.wait(packet.dtype)):
@@ -399,7 +416,10 @@ class KFAC(PreconditionedOptimizer):
                 G = S_sum * _per_matrix(samples) / world / world / scale / scale
                 if self._columns is not None:  # the columns: sum over the union / its D
                     G = S_sum / sums[2 + per_sample(layer)][0]
-                out.append((layer, A.to(dev), G.to(dev), (rows > 0).to(dev)))
+                present = rows > 0
+                if layer.expert_shard is not None:  # the held experts' factors stay here
+                    A, G, present = (layer.expert_shard.kept(x) for x in (A, G, present))
+                out.append((layer, A.to(dev), G.to(dev), present.to(dev)))
         return out
 
     def _column_sums(self, layer):
@@ -490,7 +510,7 @@ class KFAC(PreconditionedOptimizer):
         G_hat = grads.matrix(layer).to(self._dtype)
         if layer.has_bias:
             gb = (grads.bias if grads.bias is not None
-                  else G_hat.new_zeros(*_stack(layer), layer.d_out))
+                  else G_hat.new_zeros(*_kept(layer), layer.d_out))
             G_hat = torch.cat([G_hat, gb.unsqueeze(-1).to(self._dtype)], dim=-1)
         return G_hat
 
@@ -551,8 +571,7 @@ class KFAC(PreconditionedOptimizer):
                     layer.name in self._capture.check.released:
                 continue
             # FSDP2: the whole gradients, on every rank or on the owner (kronecker.placement)
-            grads = FullGradients(layer.module) if owner is None else OwnerGradients(
-                layer.module, *owner)
+            grads = gradients_of(layer, owner)
             G_hat = V = seen = None
             if grads.weight is not None and "decomposed" in s:
                 G_hat = self._gradient_matrix(layer, grads)

@@ -251,7 +251,7 @@ class _Calls:
                     v for v in kwargs.values() if isinstance(v, torch.Tensor)), output, None))
                 return
             layout = layer.module.layout
-            inputs = layout.bind(module, args, kwargs)
+            inputs = layout.bind(module, args, kwargs, layer.module.expert_shard)
             arithmetic = layout.observe(module, inputs)
             for l in layers:
                 if l.experts is not None and l.module.experts is module:
@@ -272,7 +272,7 @@ def _layer_rows(layer, call, grad):
     if layer.experts is None:
         a = layer.type.input_rows(m, x)
         return a, (None if grad is None else layer.type.grad_rows(m, grad)), None
-    _, expert, rows = m.layout.rows(m.experts, x, grad, arithmetic)
+    _, expert, rows = m.layout.rows(m.experts, x, grad, arithmetic, m.expert_shard)
     names = [name for name, _ in m.layout.projections(m.experts)]
     a, g = rows[names.index(m.weight_name)]
     return a, g, expert

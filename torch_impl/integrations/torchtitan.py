@@ -93,7 +93,12 @@ def statistics_scale(model):
                 world = group.mesh_info.shard_mesh_size
                 factor = group.gradient_divide_factor
                 factors.add(float(world if factor is None else factor))
-                worlds.add(world)
+                # a group placed on mesh dimensions beyond FSDP's (expert parallelism's
+                # ``efsdp`` x ``ep`` stacks) shards over fewer ranks than the loss averages,
+                # while its rows are tokens' gradients of the same loss: its divide factor
+                # must agree, its shard size does not define the data-parallel world
+                if not _beyond_fsdp(group):
+                    worlds.add(world)
     if not factors:
         return 1.0
     if len(factors) > 1 or len(worlds) > 1:
@@ -101,6 +106,13 @@ def statistics_scale(model):
                          f"over {sorted(worlds)} ranks: MKOR's / K-FAC's statistics need one "
                          "scale; pass grad_scale in optimizer_factory_kwargs_by_name")
     return factors.pop() / worlds.pop()
+
+
+def _beyond_fsdp(group):
+    """Whether an FSDP param group's parameters live on a mesh of more dimensions than its
+    FSDP mesh (torchtitan's EP stacks: (efsdp, ep) against FSDP's efsdp)."""
+    mesh = group.mesh_info.mesh
+    return any(p.sharded_param.device_mesh.ndim > mesh.ndim for p in group.fsdp_params)
 
 
 class Optimizers(OptimizersContainer):

@@ -69,6 +69,10 @@ class Layer:
         self.parent = parent
         self.kind = "mha_out" if parent is not None else layer_type.name
         self.experts = layer_type.stack(module)  # None, or E for a stack of expert layers
+        # expert parallelism: the stack's statistics are the E experts of this rank's chunk,
+        # its factors those of the ``kept`` experts it holds (experts/parallel.py)
+        self.expert_shard = getattr(module, "expert_shard", None) if self.experts else None
+        self.kept = self.experts if self.expert_shard is None else self.expert_shard.n_held
         self.has_bias = module.bias is not None and module.bias.requires_grad
         self.d_out, d_in = layer_type.shape(module)
         self.d_in = d_in + int(self.has_bias)  # d_in' = columns of [W | b]
@@ -268,7 +272,7 @@ def discover(model, skip=(), optimizer=None, max_factor_dim=DEFAULT_MAX_FACTOR_D
             problem = layout.problem(module, parent)
             prefix = f"{name}." if name else ""
             names.extend(prefix + p for p, _ in module.named_parameters(recurse=False))
-            projections = layout.projections(module) if problem is None else []
+            projections = layout.projections(module, parent) if problem is None else []
             for pname, projection in projections:
                 owners.setdefault(id(projection.weight), [])
                 owners[id(projection.weight)] = [

@@ -33,14 +33,29 @@ raise ``ValueError``.
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "Packet", "Reduction"]
+__all__ = ["world_size", "LOCAL", "Packet", "Reduction"]
 
 _EXACT_COUNTS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8,
                  torch.float32: 2 ** 24, torch.float64: 2 ** 53}
 
 
+class _Local:
+    """The group of this rank alone: sums over it are the rank's own, and nothing travels."""
+
+    def __repr__(self):
+        return "LOCAL"
+
+
+#: a "group" of this rank alone (a stack's row group under expert parallelism with one rank
+#: per chunk): :func:`world_size` 1, so a :class:`Packet` over it issues no collective
+LOCAL = _Local()
+
+
 def world_size(group=None):
-    """Number of ranks in ``group``, 1 when torch.distributed is not initialised."""
+    """Number of ranks in ``group``, 1 when torch.distributed is not initialised or for
+    :data:`LOCAL`."""
+    if group is LOCAL:
+        return 1
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
     return 1

@@ -67,6 +67,7 @@ from .discovery import unwrap_model
 from .layers import LayerType
 
 __all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
+           "LocalGradients", "gradients_of",
            "assign_owners", "owner_map", "owns", "kept_here", "ParameterBinding"]
 
 SUPPORTED_PLACEMENTS = ("plain tensors, or FSDP2 fully_shard DTensors placed Shard(0) on a 1-D "
@@ -94,6 +95,8 @@ def check_supported_sharding(model, layers, owner):
     module cannot precondition exactly (see the module docstring)."""
     roots = None
     for layer in layers:
+        if layer.expert_shard is not None:  # EP: whole experts per rank, checked by the adapter
+            continue
         module = layer.module
         params = [("weight", module.weight)] + (
             [("bias", module.bias)] if getattr(module, "bias", None) is not None else [])
@@ -183,7 +186,8 @@ def owner_map(layers, placement, owner):
     rank (``placement == "owner"``: the FSDP2-sharded ones, on their 1-D mesh); {} otherwise."""
     if placement != "owner":
         return {}
-    sharded = [l for l in layers if is_dtensor(l.module.weight)]
+    # a stack under expert parallelism keeps its held experts' factors where they lie already
+    sharded = [l for l in layers if is_dtensor(l.module.weight) and l.expert_shard is None]
     if not sharded:
         return {}
     mesh = sharded[0].module.weight.device_mesh  # each fully_shard call may build its own
@@ -265,6 +269,31 @@ class OwnerGradients(_Gradients):
             dist.scatter(mine, out, src=dist.get_global_rank(self._group, self._owner),
                          group=self._group)
             local.copy_(mine[:local.shape[0]])
+
+
+class LocalGradients(_Gradients):
+    """The gradients of a stack under expert parallelism: this rank's shard of whole experts,
+    the ones whose factors it keeps, read and written in place (no collective)."""
+
+    sharded = True
+
+    def __init__(self, module):
+        bias = getattr(module, "bias", None)
+        self.weight, self.bias = (None if g is None else g.to_local() if is_dtensor(g) else g
+                                  for g in (module.weight.grad,
+                                            None if bias is None else bias.grad))
+
+    def write_back(self):
+        pass  # the local tensors are the gradients' own storage
+
+
+def gradients_of(layer, owner=None):
+    """The gradients to precondition ``layer`` with: its shard of held experts (expert
+    parallelism), gathered to its ``owner`` (rank, group), or gathered whole (plain ones as
+    they are)."""
+    if layer.expert_shard is not None:
+        return LocalGradients(layer.module)
+    return FullGradients(layer.module) if owner is None else OwnerGradients(layer.module, *owner)
 
 
 def _layer_params(layer):

@@ -19,7 +19,7 @@ from .factors import (factor_update, max_entry_norm, needs_stabilising, precondi
                       rescale)
 from .rank_k import rank_k_factor_update
 from ..kronecker.factor_storage import store_factor
-from ..kronecker.placement import FullGradients, OwnerGradients
+from ..kronecker.placement import gradients_of
 
 __all__ = ["initial_layer_state", "update_layer_factors", "precondition_layer", "Workspace"]
 
@@ -29,7 +29,7 @@ def initial_layer_state(layer, factor_dtype, device=None):
     size guard leaves at the identity (``layer.identity_L`` / ``identity_R``) stores no
     factor."""
     dev = layer.module.weight.device if device is None else device
-    stack = () if layer.experts is None else (layer.experts,)  # a counter per expert
+    stack = () if layer.experts is None else (layer.kept,)  # a counter per (held) expert
     zero = torch.zeros(stack, dtype=torch.int64, device=dev)
     false = torch.zeros(stack, dtype=torch.bool, device=dev)
     state = {"updates_a": zero.clone(), "updates_g": zero.clone(),
@@ -171,8 +171,7 @@ def precondition_layer(layer, s, rule, workspace=None, owner=None):
         return
     if weight.grad.is_sparse:
         raise RuntimeError(f"{layer.name}: MKOR does not support sparse gradients")
-    gradients = FullGradients(module) if owner is None else OwnerGradients(module, *owner)
-    with gradients as grads:
+    with gradients_of(layer, owner) as grads:
         if grads.weight is not None:  # None: another rank owns and computes this layer
             _precondition_gradients(layer, s, rule, workspace, grads)
 
@@ -184,7 +183,7 @@ def _precondition_gradients(layer, s, rule, workspace, grads):
     grad_W = matrix.to(cd)
     grad_b = None
     bias_grad = grads.bias if layer.has_bias else None
-    stack = () if layer.experts is None else (layer.experts,)
+    stack = () if layer.experts is None else (layer.kept,)
     if layer.has_bias:  # an unused bias still owns a column of R
         grad_b = (bias_grad.to(cd) if bias_grad is not None
                   else torch.zeros(*stack, layer.d_out, dtype=cd, device=grad_W.device))

@@ -28,7 +28,7 @@ from ..common.validation import check_bool
 from ..kronecker.capture import Capture, weak_schedule
 from ..kronecker.discovery import (discover, unwrap_model, warn_identity_sides,
                                    warn_nothing_preconditioned)
-from ..kronecker.exchange import world_size
+from ..kronecker.exchange import LOCAL, world_size
 from ..kronecker.factor_storage import factor_seed, resolve_rounding_seed
 from ..kronecker.optimizer import PreconditionedOptimizer
 from ..kronecker.placement import check_supported_sharding, kept_here, owner_map, owns
@@ -270,8 +270,21 @@ class MKOR(PreconditionedOptimizer):
             o.rounding_seed, process_group, layers[0].module.weight.device if layers else "cpu")
         self._index = {layer.name: i for i, layer in enumerate(self._layers)}
         self._workspace = Workspace()  # the GEMM outputs of precondition(), reused
-        self._exchange = VectorExchange(self._layers, model, o.exchange, process_group,
-                                        o.rank)
+        # expert parallelism: a stack's sums travel over its row group alone (nothing where
+        # that is this rank), the dense layers' over the process group as ever
+        dense = [l for l in self._layers if l.expert_shard is None]
+        self._exchange = VectorExchange(dense, model, o.exchange, process_group, o.rank)
+        by_rows = {}
+        for layer in self._layers:
+            if layer.expert_shard is not None:
+                by_rows.setdefault(id(layer.expert_shard.row_group), []).append(layer)
+        if by_rows and o.rank > 1:
+            raise ValueError("MKOR: rank > 1 under expert parallelism is not supported (the "
+                             "stacks of experts sharded over an EP mesh); use rank=1")
+        self._expert_exchanges = [
+            VectorExchange(layers, model, o.exchange, layers[0].expert_shard.row_group, o.rank,
+                           data_world=world_size(process_group))
+            for layers in by_rows.values()]
         # comm_overlap: launch the all-reduce when a backward has reached every captured layer
         self._progress = BackwardProgress(weak_schedule(self._launch_early)) if comm_overlap \
             else None
@@ -291,12 +304,14 @@ class MKOR(PreconditionedOptimizer):
     def payload_bytes(self):
         """Bytes each rank all-reduces per factor update (whether or not distributed):
         (sum_m (d_in'+d_out) + #bias-free layers) x itemsize(comm dtype)."""
-        return self._exchange.packet.nbytes
+        return self._exchange.packet.nbytes + sum(
+            e.packet.nbytes for e in self._expert_exchanges if e.group is not LOCAL)
 
     @property
     def communicated_bytes(self):
         """Bytes this rank has all-reduced so far (a Python int, no sync; 0 on one rank)."""
-        return self._exchange.communicated_bytes
+        return self._exchange.communicated_bytes + sum(
+            e.communicated_bytes for e in self._expert_exchanges)
 
     def factor_update_due(self):
         """K2 schedule for the current step: t % inv_freq == 0 or t < warmup_steps."""
@@ -544,8 +559,11 @@ class MKOR(PreconditionedOptimizer):
                 else:  # only calls with 0 rows (an MoE expert routed no tokens)
                     out.append((layer, None, None, False))
             return out
-        return self._exchange.exchange(
+        out = self._exchange.exchange(
             pending, None if self._progress is None else self._progress.commits)
+        for exchange in self._expert_exchanges:
+            out += exchange.exchange(pending)
+        return out
 
     def _layers_with_statistics(self):
         return [name for name, s in self._state.items()

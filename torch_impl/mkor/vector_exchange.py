@@ -48,8 +48,11 @@ class VectorExchange:
     pass with ``comm_overlap``) and the running byte count. ``options``: a
     :class:`~.config.ExchangeOptions`; ``rank``: MKOR's rank k (k group sums per factor)."""
 
-    def __init__(self, layers, model, options, group=None, rank=1):
+    def __init__(self, layers, model, options, group=None, rank=1, data_world=None):
         self.layers, self.model, self.group = list(layers), model, group
+        # the number of ranks whose mean losses DDP averages (the divisor of g_bar): the
+        # group's own, or (a stack's row group under expert parallelism) the data-parallel one
+        self.data_world = data_world
         # an ExchangeOptions: the compute dtype, the wire dtype, the averaging
         self.compute_dtype, self.average = options.compute_dtype, options.average
         comm_dtype = options.comm_dtype
@@ -80,7 +83,8 @@ class VectorExchange:
                   and self.rank == 1 else 0 for l in self.layers]
         reduction = self.packet.all_reduce(items, self.layers[0].module.weight.device,
                                            self.group, async_op, counts)
-        self.communicated_bytes += self.packet.nbytes
+        if world_size(self.group) > 1:
+            self.communicated_bytes += self.packet.nbytes
         return reduction
 
     def launch_early(self, pending, commits):
@@ -112,7 +116,7 @@ class VectorExchange:
         if reduction is None:
             reduction = self._launch(pending, async_op=False)
         results = reduction.wait(self.compute_dtype)
-        world = world_size(self.group)
+        world = self.data_world or world_size(self.group)
         divide = world * world if self.average == "double" else world
         out = []
         for layer, (sums, rows) in zip(self.layers, results):
@@ -128,7 +132,11 @@ class VectorExchange:
                 a_bar = a_sum / rows.clamp(min=1)
             if self.average == "double":
                 a_bar = a_bar / world
-            out.append((layer, a_bar.to(dev), (g_sum / divide).to(dev), rows.to(dev) > 0))
+            g_bar, present = g_sum / divide, rows > 0
+            if layer.expert_shard is not None:  # EP: the factors of the held experts stay here
+                a_bar, g_bar, present = (layer.expert_shard.kept(x) for x in (a_bar, g_bar,
+                                                                                present))
+            out.append((layer, a_bar.to(dev), g_bar.to(dev), present.to(dev)))
         return out
 
     def _group_vectors(self, layer, a_stat, g_sum, world, divide, dev):

@@ -26,7 +26,9 @@ class ExpertRows:
         followed to each routed pair through its token."""
         capture = self.capture
         with _untracked(ctx):
-            token, expert, rows = layers[0].module.layout.rows(module, inputs, grad, arithmetic)
+            projection = layers[0].module
+            token, expert, rows = projection.layout.rows(module, inputs, grad, arithmetic,
+                                                         projection.expert_shard)
             mask = None if found.mask is None else found.mask[token]
             checking = capture.check.checking
             for layer, (a, g) in zip(layers, rows):
@@ -52,7 +54,8 @@ class ExpertRows:
                 if output.requires_grad:
                     capture.eval_seen.update(layer.name for layer in layers)
                 return
-            inputs = layers[0].module.layout.bind(module, args, kwargs)
+            inputs = layers[0].module.layout.bind(module, args, kwargs,
+                                                  layers[0].module.expert_shard)
             hidden = inputs[0]
             lead = tuple(hidden.shape[:-1])
 

@@ -80,6 +80,16 @@ def bound_factor(rows, d, compare_unit, low_unit):
     return 2 * gamma + 3 * low_unit
 
 
+
+def _expert_span(layer):
+    """(width, (lo, hi)): the S entries a layer sends in the verdicts' all-reduce (1, or one per
+    expert of a stack: all E under expert parallelism) and where its own lie."""
+    shard = getattr(layer, "expert_shard", None)
+    if shard is not None:
+        return shard.experts, shard.seen
+    width = layer.experts or 1
+    return width, (0, width)
+
 class _Run:
     """What one layer accumulated on a checked step."""
 
@@ -264,11 +274,14 @@ class SelfCheck:
             pad = run.pad if run is not None and run.masked else None
             ratio = run.ratio if run is not None and run.fired else None
             total = run.total if run is not None and run.total is not None else None
-            width = layer.experts or 1  # S per expert for a stack
-            for value, n in ((pad, 1), (ratio, 1), (total, width)):
+            width, (lo, hi) = _expert_span(layer)  # S per expert for a stack
+            for value, n in ((pad, 1), (ratio, 1), (total, hi - lo)):
                 values.append(torch.as_tensor(-1.0 if value is None else value,
                                               dtype=torch.float64, device=device)
                               .to(torch.float64).reshape(-1).expand(n))
+            if hi - lo < width:  # EP: this rank's chunk at its global place, -1 elsewhere,
+                # so the MAX over the ranks meets each expert's S only from ranks that see it
+                values[-1] = torch.nn.functional.pad(values[-1], (lo, width - hi), value=-1.0)
         if not values:
             return [], [], []
         packed = torch.cat(values)
@@ -282,8 +295,8 @@ class SelfCheck:
         flagged, released, vacuous = [], [], []
         at = 0
         for layer in self.layers:
-            width = layer.experts or 1
-            pad, ratio, totals = flat[at], flat[at + 1], flat[at + 2:at + 2 + width]
+            width, (lo, hi) = _expert_span(layer)
+            pad, ratio, totals = flat[at], flat[at + 1], flat[at + 2 + lo:at + 2 + hi]
             at += 2 + width
             total = max(totals)
             name = layer.name

@@ -21,10 +21,13 @@ class ExpertProjection:
     """One projection of a fused experts module as a layer-like object: ``weight`` the 3-D
     parameter, ``bias`` its (E, d_out) bias or None, ``transposed`` whether the experts are
     stored (E, d_in, d_out), ``layout`` the module's :class:`ExpertsLayout`, ``training`` the
-    module's."""
+    module's, ``expert_shard`` the :class:`~.parallel.ExpertShard` of a stack under expert
+    parallelism (None: every expert is seen and held here)."""
 
-    def __init__(self, experts, weight_name, layout, bias_name=None, transposed=False):
+    def __init__(self, experts, weight_name, layout, bias_name=None, transposed=False,
+                 shard=None):
         self.experts, self.weight_name, self.layout = experts, weight_name, layout
+        self.expert_shard = shard
         self.weight = getattr(experts, weight_name)
         self.bias = None if bias_name is None else getattr(experts, bias_name, None)
         self.transposed = bool(transposed)
@@ -46,7 +49,8 @@ class FusedExpertsType(LayerType):
         return isinstance(module, ExpertProjection)
 
     def stack(self, module):
-        return module.weight.shape[0]
+        shard = module.expert_shard  # EP: the experts of this rank's chunk
+        return module.weight.shape[0] if shard is None else shard.n_seen
 
     def shape(self, module):
         _, rows, cols = module.weight.shape
@@ -71,14 +75,15 @@ class ExpertsLayout:
         what sits beside it), else why not (``skip_reasons``)."""
         raise NotImplementedError
 
-    def projections(self, module):
+    def projections(self, module, parent=None):
         """[(parameter name, :class:`ExpertProjection`)], in the order :meth:`rows` returns
-        their rows."""
+        their rows (``parent``: the module holding it, whose dispatcher may place it)."""
         raise NotImplementedError
 
-    def bind(self, module, args, kwargs):
+    def bind(self, module, args, kwargs, shard=None):
         """One call's inputs, bound by name to the class's forward; the first is the tensor
-        whose leading dimensions index the call's rows (its token mask's layout)."""
+        whose leading dimensions index the call's rows (its token mask's layout). ``shard``:
+        the projections' :class:`~.parallel.ExpertShard` (expert parallelism), or None."""
         raise NotImplementedError
 
     def observe(self, module, inputs):
@@ -87,9 +92,10 @@ class ExpertsLayout:
         it (torchtitan's explicit bf16 grouped mms)."""
         return None
 
-    def rows(self, module, inputs, grad_out, arithmetic=None):
+    def rows(self, module, inputs, grad_out, arithmetic=None, shard=None):
         """``(token, expert, rows)`` of one call: ``token`` (S,) each row's index into the
-        flattened leading dimensions of ``inputs[0]``, ``expert`` (S,) its expert, ``rows``
+        flattened leading dimensions of ``inputs[0]``, ``expert`` (S,) its expert (under
+        expert parallelism, its index in the ``shard``'s chunk), ``rows``
         one ``(a, g)`` of (S, d) per projection. Raises on what the rows cannot be (expert
         parallelism). Runs under the forward's autocast state; ``arithmetic`` is what
         :meth:`observe` read of the call."""

@@ -26,12 +26,21 @@ grouped mm of dL/dout with W_2, then the VJP of silu(u_1) u_3. An expert with 0 
 and module in the module's MRO, exactly its three parameters in the declared layout (3-D,
 leading size ``num_experts``, one F and one D), and GroupedExperts' own ``forward`` and
 ``_grouped_mm`` (a subclass overriding either, torchtitan's MXFP8 converter for one, computes
-other products: skipped, with the reason). **Expert parallelism** is refused: an EP token
-dispatcher with an EP mesh beside the module (at construction), parameters that are DTensors
-when the module runs (GroupedExperts' ``to_local`` path: the experts of this rank only) or
-counts for other than ``num_experts`` experts (at capture). The all-to-all dispatchers of
-torchtitan's "standard" backend with no EP mesh wired fall back to the local dispatch, and are
-accepted.
+other products: skipped, with the reason). torchtitan's ``parallelize`` wraps the forward of
+every module it places (``Module.parallelize``'s ``forward_with_redistribution``); that wrapper
+is accepted when it provably runs GroupedExperts' own forward on the same module with no input
+or output redistribution and no ``local_map`` (read from its closure and the module's sharding
+config), the way torchtitan shards the experts' weights and nothing else.
+
+**Expert parallelism** (:mod:`.parallel`): an EP token dispatcher with its EP mesh wired
+beside the module (torchtitan's ``AllToAllTokenDispatcher``) and the three stacks DTensors
+``Shard(0)`` on that mesh's dimension (FSDP's ``efsdp`` sharding of dim 0 beside it) make each
+projection a stack of this rank's EP chunk: its rows are the chunk's (the forward's local
+weights and counts, checked at every capture), its factors the experts the rank holds. The
+all-to-all dispatchers of torchtitan's "standard" backend with no EP mesh wired fall back to
+the local dispatch, and are accepted as before. Refused, naming it: any other dispatcher with
+an EP mesh, a stack placement other than whole experts (expert tensor parallelism), DTensor
+parameters without an EP dispatcher.
 """
 import inspect
 
@@ -39,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import ExpertProjection, ExpertsLayout, product_dtype
+from .parallel import check_forward_chunk, ep_problem, expert_shard
 
 __all__ = ["GroupedExpertsLayout", "TITAN"]
 
@@ -49,6 +59,9 @@ _DISPATCHERS = "torchtitan.models.common.token_dispatcher"
 #: while no EP mesh is wired (they fall back to the local dispatch)
 _LOCAL = ("LocalTokenDispatcher",)
 _FALL_BACK = ("AllToAllTokenDispatcher", "TorchAOTokenDispatcher")
+#: the dispatcher whose EP path is followed: a plain all-to-all of the routed rows
+_EP_DISPATCH = ("AllToAllTokenDispatcher",)
+_WRAPPER = ("torchtitan.protocols.module", "Module.parallelize.<locals>.forward_with_redistribution")
 _EP = ("expert parallelism: the rows of the experts other ranks hold are not here, and the "
        "statistics of this rank's experts would be summed with other experts' over the ranks")
 
@@ -66,6 +79,37 @@ def _local(dispatcher):
         return False
     return kind.__qualname__ in _LOCAL or (kind.__qualname__ in _FALL_BACK
                                            and getattr(dispatcher, "ep_mesh", 0) is None)
+
+
+def _ep_mesh(dispatcher):
+    """The EP mesh of torchtitan's all-to-all dispatcher, or None (no EP, or another kind)."""
+    kind = type(dispatcher)
+    if kind.__module__ != _DISPATCHERS or kind.__qualname__ not in _EP_DISPATCH:
+        return None
+    return getattr(dispatcher, "ep_mesh", None)
+
+
+def _wrapper_problem(module, base):
+    """None if the instance's ``forward`` is torchtitan's parallelize wrapper around
+    GroupedExperts' own forward of ``module`` with nothing redistributed, else why not."""
+    wrapper = vars(module)["forward"]
+    if (getattr(wrapper, "__module__", None), getattr(wrapper, "__qualname__", None)) != _WRAPPER:
+        return "an instance forward that is not torchtitan's parallelize wrapper"
+    inner = inspect.getclosurevars(wrapper).nonlocals.get("fn")
+    if getattr(inner, "__self__", None) is not module or \
+            getattr(inner, "__func__", None) is not base.forward:
+        return "torchtitan's parallelize wrapper around another function than its forward"
+    config = getattr(module, "_sharding_config", None)
+    moved = [f for f in ("in_src_shardings", "in_dst_shardings", "out_src_shardings",
+                         "out_dst_shardings", "local_map") if getattr(config, f, None)]
+    if config is None or moved:
+        return f"torchtitan's parallelize wrapper redistributing {moved or 'unknown'}"
+    return None
+
+
+def _local_tensor(tensor):
+    """A DTensor's local tensor (the forward's ``to_local``), a tensor itself."""
+    return tensor.to_local() if _dtensor(tensor) else tensor
 
 
 def _dtensor(tensor):
@@ -86,8 +130,13 @@ class GroupedExpertsLayout(ExpertsLayout):
     def problem(self, module, parent=None):
         base, cls = _base(module), type(module).__qualname__
         for method in ("forward", "_grouped_mm"):
-            if getattr(type(module), method) is not getattr(base, method) or \
-                    method in vars(module):
+            overridden = getattr(type(module), method) is not getattr(base, method)
+            if method in vars(module) and not overridden and method == "forward":
+                why = _wrapper_problem(module, base)
+                overridden = why is not None
+            elif method in vars(module):
+                overridden = True
+            if overridden:
                 return (f"{cls} overrides GroupedExperts.{method}: its products are not "
                         "GroupedExperts' SwiGLU of bf16 grouped mms, whose rows the capture "
                         "recomputes")
@@ -105,24 +154,35 @@ class GroupedExpertsLayout(ExpertsLayout):
             return (f"{cls} parameters of shapes {[tuple(w.shape) for w in (w1, w3, w2)]}: "
                     f"expected w1, w3 (E, F, D) and w2 (E, D, F)")
         dispatcher = getattr(parent, "token_dispatcher", None)
+        ep_mesh = _ep_mesh(dispatcher)
+        if ep_mesh is not None:
+            why = ep_problem(E, params, ep_mesh)
+            return None if why is None else (
+                f"{type(dispatcher).__qualname__} beside {cls} with an EP mesh: {why}")
         if dispatcher is not None and not _local(dispatcher):
             return f"{type(dispatcher).__qualname__} beside {cls}: {_EP}"
         return None
 
-    def projections(self, module):
-        return [(n, ExpertProjection(module, n, self)) for n in _PARAMS]
+    def projections(self, module, parent=None):
+        ep_mesh = _ep_mesh(getattr(parent, "token_dispatcher", None))
+        shard = None if ep_mesh is None else expert_shard(
+            module.num_experts, {n: getattr(module, n) for n in _PARAMS}, ep_mesh)
+        return [(n, ExpertProjection(module, n, self, shard=shard)) for n in _PARAMS]
 
-    def bind(self, module, args, kwargs):
-        if any(_dtensor(getattr(module, n)) for n in _PARAMS):
+    def bind(self, module, args, kwargs, shard=None):
+        if shard is None and any(_dtensor(getattr(module, n)) for n in _PARAMS):
             raise ValueError(f"{type(module).__qualname__} runs on DTensor parameters (its "
-                             f"to_local path): {_EP}")
+                             f"to_local path) without an EP dispatcher: {_EP}")
         bound = inspect.signature(_base(module).forward).bind(module, *args, **kwargs)
         return tuple(bound.arguments.values())[1:]
 
-    def rows(self, module, inputs, grad_out, arithmetic=None):
+    def rows(self, module, inputs, grad_out, arithmetic=None, shard=None):
         x, counts = inputs
         E = module.num_experts
-        if counts.numel() != E:
+        if shard is not None:  # EP: this rank's chunk, its local (FSDP-unsharded) weights
+            check_forward_chunk(shard, module.w1_EFD, counts)
+            E = shard.n_seen
+        elif counts.numel() != E:
             raise ValueError(f"token counts for {counts.numel()} experts, not num_experts={E}: "
                              f"{_EP}")
         n = counts.tolist()  # one host sync
@@ -134,7 +194,7 @@ class GroupedExpertsLayout(ExpertsLayout):
         expert = torch.repeat_interleave(torch.arange(E, device=x.device),
                                          counts.to(x.device), output_size=S)
         dtype = torch.bfloat16  # GroupedExperts casts x and W to it before each product
-        w1, w3, w2 = (getattr(module, p).detach().to(dtype) for p in _PARAMS)
+        w1, w3, w2 = (_local_tensor(getattr(module, p)).detach().to(dtype) for p in _PARAMS)
         xb = x.detach()[:S].to(dtype)
         mm = module._grouped_mm
         u1 = mm(A=xb, B_t=w1.transpose(-2, -1), offs=offsets)

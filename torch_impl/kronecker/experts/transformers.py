@@ -193,16 +193,16 @@ class TransformersExperts(ExpertsLayout):
     def problem(self, module, parent=None):
         return layout_problem(module)
 
-    def projections(self, module):
+    def projections(self, module, parent=None):
         return expert_projections(module)
 
-    def bind(self, module, args, kwargs):
+    def bind(self, module, args, kwargs, shard=None):
         return bind_expert_inputs(module, args, kwargs)
 
     def observe(self, module, inputs):
         return observe_arithmetic(module, *inputs)
 
-    def rows(self, module, inputs, grad_out, arithmetic=None):
+    def rows(self, module, inputs, grad_out, arithmetic=None, shard=None):
         return expert_rows(module, *inputs, grad_out, arithmetic)
 
 

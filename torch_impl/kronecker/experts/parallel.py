@@ -1,0 +1,179 @@
+r"""Expert parallelism (EP): which experts of a stack a rank's capture sees, which it holds,
+and which ranks' rows are summed for them (issue 48).
+
+Under EP a MoE layer's E experts are split into ``ep`` chunks of E / ep along an ``ep`` mesh
+dimension, and the token dispatcher sends each routed row to the rank holding its expert's
+chunk (an all-to-all). On rank r with EP coordinate c:
+
+* the capture **sees** the rows of the chunk c, experts [c E/ep, (c+1) E/ep): the forward
+  multiplies them by the chunk's matrices (the FSDP-unsharded parameter, a ``Shard(0)`` DTensor
+  on the ``ep`` mesh) and the counts it gets are the chunk's;
+* the rank **holds** the experts of its parameter shard: the chunk itself, or (with FSDP on
+  the ``efsdp`` dimension beside ``ep``) a contiguous part of it, whole experts either way;
+* the rows of the chunk c are spread over the ranks with EP coordinate c (each sees the tokens
+  its EP group routed to chunk c): their **row group**, the ranks sharing every other
+  coordinate of the parameter's mesh. With ``ep`` equal to the data-parallel world the row
+  group is the rank alone.
+
+So each expert's statistics are the sum over its row group of the rows it sees (no collective
+where the row group is one rank), and each rank keeps the factors of the experts it holds,
+preconditions their gradient where it lies (no gather) and sends nothing else for them.
+
+Nothing is inferred from a shape: the chunk comes from the dispatcher's EP mesh (which routes
+the rows), the held experts from the parameter's own placements
+(``compute_local_shape_and_global_offset``), and the invariants a wrong reading would break
+are checked: the parameter's mesh carries the dispatcher's EP mesh as one dimension, with
+``Shard(0)`` on it; every placement shards dim 0 or replicates (whole experts); the held
+experts lie inside the chunk; at each capture, the forward's counts are the chunk's and its
+parameter sits at the chunk's offset.
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..exchange import LOCAL
+
+__all__ = ["ExpertShard", "ep_problem", "expert_shard", "check_forward_chunk"]
+
+_GROUPS = {}  # tuple of ranks -> process group (every rank builds the same ones, in order)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShard:
+    """One stack under EP (module docstring): ``experts`` E, ``seen`` and ``held`` global
+    [lo, hi) ranges, ``row_group`` the process group of the ranks that see the same chunk
+    (:data:`~torch_impl.kronecker.exchange.LOCAL`: this rank alone), ``row_ranks`` its size."""
+
+    experts: int
+    seen: tuple
+    held: tuple
+    row_group: object
+    row_ranks: int
+
+    @property
+    def n_seen(self):
+        return self.seen[1] - self.seen[0]
+
+    @property
+    def n_held(self):
+        return self.held[1] - self.held[0]
+
+    def kept(self, x):
+        """The held experts' entries of ``x``, led by the seen experts."""
+        if self.held == self.seen:
+            return x
+        lo = self.held[0] - self.seen[0]
+        return x[lo:lo + self.n_held]
+
+
+def _dtensor_type():
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def _offset(tensor):
+    """(local rows, global row offset) of a DTensor's local shard along dim 0."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                          tensor.placements)
+    return shape[0], offset[0]
+
+
+def _chunk(num_experts, ep_mesh):
+    ep = ep_mesh.size()
+    per = num_experts // ep
+    c = ep_mesh.get_local_rank()
+    return (c * per, (c + 1) * per)
+
+
+def ep_problem(num_experts, params, ep_mesh):
+    """None if the stacks ``params`` ({name: parameter}) of a module of ``num_experts``
+    experts are laid out as EP on ``ep_mesh`` (module docstring), else what contradicts it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    ep = ep_mesh.size()
+    if ep_mesh.ndim != 1 or num_experts % ep:
+        return (f"an EP mesh of {ep_mesh.ndim} dimensions and size {ep} for {num_experts} "
+                "experts: expected one dimension dividing the experts")
+    name = ep_mesh.mesh_dim_names[0] if ep_mesh.mesh_dim_names else None
+    seen = _chunk(num_experts, ep_mesh)
+    held = set()
+    for pname, p in params.items():
+        if not isinstance(p, _dtensor_type()):
+            return f"{pname} is not a DTensor under an EP dispatcher"
+        names = p.device_mesh.mesh_dim_names or ()
+        if name is None or name not in names:
+            return (f"{pname} lives on the mesh {names}, which does not carry the dispatcher's "
+                    f"EP dimension {name!r}")
+        for dim, placement in zip(names, p.placements):
+            # FSDP's efsdp sharding of an EP stack is a strided dim-0 shard: whole experts
+            whole = (isinstance(placement, Replicate)
+                     or (isinstance(placement, (Shard, _StridedShard)) and placement.dim == 0))
+            if dim == name and not (isinstance(placement, Shard) and placement.dim == 0
+                                    and type(placement) is Shard):
+                return f"{pname} is placed {placement} on the EP dimension, not Shard(0)"
+            if not whole:
+                return (f"{pname} is placed {placement} on {dim!r}: only whole experts "
+                        "(dim 0 sharded, or replicated) are supported; expert tensor "
+                        "parallelism (Shard(1) / Shard(2) of the experts' matrices) is not")
+        if not torch.equal(p.device_mesh[name].mesh, ep_mesh.mesh):
+            return f"{pname}'s {name!r} ranks are not the dispatcher's EP group"
+        rows, lo = _offset(p)
+        if tuple(p.to_local().shape[1:]) != tuple(p.shape[1:]):
+            return f"{pname}'s local shard is not whole experts"
+        held.add((lo, lo + rows))
+    if len(held) != 1:
+        return f"the stacks hold different experts here: {sorted(held)}"
+    (lo, hi), = held
+    if not (seen[0] <= lo <= hi <= seen[1]) or hi == lo:
+        return (f"this rank holds the experts [{lo}, {hi}), outside the chunk [{seen[0]}, "
+                f"{seen[1]}) its EP coordinate routes to it")
+    return None
+
+
+def _row_group(p, ep_name):
+    """The process group of the ranks sharing every coordinate of ``p``'s mesh but the EP
+    one, with this rank (``LOCAL`` when that is the rank alone). Every rank creates every such
+    group, in the same order, so the collective ``new_group`` calls match."""
+    mesh = p.device_mesh
+    names = list(mesh.mesh_dim_names)
+    at = names.index(ep_name)
+    ranks = mesh.mesh.movedim(at, -1).reshape(-1, mesh.mesh.shape[at])
+    if ranks.shape[0] == 1:
+        return LOCAL, 1
+    me = dist.get_rank()
+    mine = None
+    for column in ranks.t().tolist():
+        key = tuple(column)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(key))
+        if me in key:
+            mine = _GROUPS[key]
+    return mine, ranks.shape[0]
+
+
+def expert_shard(num_experts, params, ep_mesh):
+    """The :class:`ExpertShard` of a stack (``params`` as :func:`ep_problem`, which must have
+    found no problem); creates the row groups (collective: every rank calls it for the same
+    stacks in the same order)."""
+    p = next(iter(params.values()))
+    rows, lo = _offset(p)
+    group, size = _row_group(p, ep_mesh.mesh_dim_names[0])
+    return ExpertShard(num_experts, _chunk(num_experts, ep_mesh), (lo, lo + rows), group, size)
+
+
+def check_forward_chunk(shard, weight, counts):
+    """At a capture: the forward's ``counts`` are the chunk's and its (unsharded) ``weight``
+    sits at the chunk's offset; raises ``ValueError`` otherwise."""
+    if counts.numel() != shard.n_seen:
+        raise ValueError(f"token counts for {counts.numel()} experts, not the {shard.n_seen} "
+                         f"of this rank's EP chunk {list(shard.seen)}")
+    if isinstance(weight, _dtensor_type()):
+        rows, lo = _offset(weight)
+        if (lo, lo + rows) != shard.seen:
+            raise ValueError(f"the forward multiplied the experts [{lo}, {lo + rows}), not "
+                             f"this rank's EP chunk {list(shard.seen)}")
+    elif weight.shape[0] != shard.n_seen:
+        raise ValueError(f"the forward multiplied a plain stack of {weight.shape[0]} experts, "
+                         f"not this rank's EP chunk {list(shard.seen)}")
