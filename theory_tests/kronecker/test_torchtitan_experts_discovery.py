@@ -112,7 +112,9 @@ def test_a_lookalike_class_is_not_taken_for_grouped_experts():
 
 def test_an_ep_token_dispatcher_is_refused_at_construction():
     """torchtitan's "standard" all-to-all dispatcher falls back to the local dispatch while no
-    EP mesh is wired (accepted); once a mesh is wired it is expert parallelism (refused)."""
+    EP mesh is wired (accepted); once a mesh is wired it is expert parallelism, which needs the
+    stacks laid out as torchtitan's EP lays them out (``test_kronecker_ep.py``): a wired mesh
+    beside plain stacks (or a mesh that is no DeviceMesh) is refused, naming it."""
     model = moe_model(layers=1)
     dispatcher = model.layers["0"].moe.routed_experts.token_dispatcher
     assert type(dispatcher).__name__ == "AllToAllTokenDispatcher" and dispatcher.ep_mesh is None

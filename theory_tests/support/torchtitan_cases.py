@@ -12,6 +12,7 @@ import io
 import torch
 from torchtitan.components.optimizer import ParamGroupConfig
 
+from theory_tests.support.torchtitan_ep import _build, ep_model
 from torch_impl.integrations.torchtitan import Optimizers
 
 SEQ = 16
@@ -65,22 +66,6 @@ def debug_model(seed=0, dtype=torch.float64):
     return copy.deepcopy(model)
 
 
-def _build(cfg, seed, dtype):
-    """``cfg``'s model with SDPA for FlexAttention, initialised from ``seed`` in ``dtype``."""
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
-        setattr(parent, attr, ScaledDotProductAttention.Config())
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # not model.to(dtype): RoPE's buffer is complex
-    try:
-        model = cfg.build()
-        model.init_weights()
-    finally:
-        torch.set_default_dtype(default)
-    return model
-
-
 def tokens(step, batch, vocab=2048):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
@@ -108,7 +93,6 @@ def moe_model(seed=0, dtype=torch.float64, dim=32, layers=2, experts=4, top_k=2,
     router with route_norm, ``GroupedExperts`` behind the local token dispatcher, the expert
     bias of auxiliary-loss-free load balancing) at a test's size, with SDPA attention as
     :func:`debug_model` (module docstring); ``load_balance=False`` drops the expert bias."""
-    from theory_tests.support.torchtitan_ep import ep_model
     return ep_model("qwen3", 1, seed, dtype, vocab, dim, layers, experts, top_k, hidden,
                     load_balance)
 

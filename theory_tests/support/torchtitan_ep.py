@@ -49,6 +49,22 @@ def parallel_dims(world, ep, dp_replicate=1):
     return dims
 
 
+def _build(cfg, seed, dtype):
+    """``cfg``'s model with SDPA for FlexAttention, initialised from ``seed`` in ``dtype``."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # not model.to(dtype): RoPE's buffer is complex
+    try:
+        model = cfg.build()
+        model.init_weights()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
 def _qwen3_config(vocab, dim, layers, experts, top_k, hidden, load_balance):
     from torchtitan.models import qwen3
     from torchtitan.models.common import Embedding, Linear
@@ -104,7 +120,6 @@ def ep_model(kind="qwen3", ep=1, seed=0, dtype=torch.float64, vocab=64, dim=32, 
     """torchtitan's ``kind`` MoE model at a test's size (module docstring), its sharding
     configs set for EP degree ``ep`` (``ep == 1``: the one-process model), initialised from
     ``seed`` in ``dtype``: the same parameters whatever ``ep`` is."""
-    from theory_tests.support.torchtitan_cases import _build
     build = {"qwen3": _qwen3_config, "deepseek_v3": _deepseek_config}[kind]
     cfg = build(vocab, dim, layers, experts, top_k, hidden, load_balance)
     if ep > 1:

@@ -24,12 +24,14 @@ What each optimizer takes from the config (``torch_impl/integrations/README.md``
 """
 from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 
 from torch_impl.integrations.torchtitan import Optimizers
 
 __all__ = ["with_optimizer", "mars", "mars_m", "mkor", "kfac",
            "llama3_debugmodel_mars", "llama3_debugmodel_mars_m", "llama3_debugmodel_mkor",
-           "llama3_debugmodel_kfac", "llama3_8b_mars_m", "llama3_8b_mkor"]
+           "llama3_debugmodel_kfac", "llama3_8b_mars_m", "llama3_8b_mkor",
+           "qwen3_moe_debug_ep_mkor", "qwen3_moe_debug_ep_kfac", "qwen3_moe_debug_ep_mars_m"]
 
 # The transformer blocks' matrices (torchtitan's llama3 FQNs: layers.N.attention.*.weight,
 # layers.N.feed_forward.w*.weight); everything else is an embedding, the head or a norm.
@@ -109,7 +111,46 @@ def llama3_8b_mkor():
                                             factor_placement="owner"))
 
 
-CONFIGS = [name for name in __all__ if name.startswith("llama3_")]
+# torchtitan's qwen3 MoE FQNs: the routed experts' stacks (layers.N.moe.routed_experts.
+# inner_experts.w1_EFD, ...), 3-D: MARS-M orthogonalises each expert (matrix_batch_dims=1)
+EXPERT_STACKS = r"^layers\.\d+\.moe\.routed_experts\.inner_experts\.w\d_E..$"
+QWEN3_MATRICES = r"^layers\.\d+\.(attention|moe\.router|moe\.shared_experts)\..*\.weight$"
+
+
+def with_expert_parallelism(config, optimizer, ep=2):
+    """``config`` with ``optimizer`` and expert parallelism of degree ``ep``: each rank holds
+    E / ep experts of every MoE layer (torchtitan's all-to-all dispatch); MKOR and K-FAC
+    keep each expert's factors on the rank holding it and send nothing for them, MARS-M
+    orthogonalises each expert there (issue 48). Expert tensor parallelism is refused by name."""
+    config = with_optimizer(config, optimizer)
+    config.parallelism.expert_parallel_degree = ep
+    return config
+
+
+def qwen3_moe_debug_ep_mkor():
+    return with_expert_parallelism(qwen3_moe_debug(), mkor())
+
+
+def qwen3_moe_debug_ep_kfac():
+    return with_expert_parallelism(qwen3_moe_debug(), kfac())
+
+
+def qwen3_moe_debug_ep_mars_m(lr=6e-3, adamw_lr=3e-3, weight_decay=0.1):
+    optimizer = Optimizers.Config(implementation="foreach", param_groups=[
+        ParamGroupConfig(pattern=EXPERT_STACKS, optimizer_name="MARSM",
+                         optimizer_kwargs={"rule": "mars_m", "lr": lr, "matrix_batch_dims": 1,
+                                           "weight_decay": weight_decay}),
+        ParamGroupConfig(pattern=QWEN3_MATRICES, optimizer_name="MARSM",
+                         optimizer_kwargs={"rule": "mars_m", "lr": lr,
+                                           "weight_decay": weight_decay}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="MARSM",
+                         optimizer_kwargs={"rule": "adamw", "lr": adamw_lr,
+                                           "weight_decay": weight_decay}),
+    ])
+    return with_expert_parallelism(qwen3_moe_debug(), optimizer)
+
+
+CONFIGS = [name for name in __all__ if name.startswith(("llama3_", "qwen3_"))]
 
 
 def parse(argv=None):

@@ -57,6 +57,7 @@ from ..common.optim_state import init_backbone_state
 from .placement import ParameterBinding
 from .report import CaptureReport, row_count
 from .state_layout import StateView, collect, packed_index, place, saved_param_ids
+from .experts.parallel import global_layer_state, local_layer_state
 
 __all__ = ["PreconditionedOptimizer"]
 
@@ -434,15 +435,36 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         return next((p for g in self.param_groups for p in g["params"]), None)
 
     def _entries(self, clone):
-        """{param: {name: entry}}: this preconditioner's state laid out on the parameters."""
-        return place(self._preconditioner_state(clone), self._layer_weights(),
-                     self._first_param(), self._state_key)
+        """{param: {name: entry}}: this preconditioner's state laid out on the parameters
+        (a stack under expert parallelism: as DTensors of all its experts, each rank's
+        shard its held experts'; ``experts/parallel.py``)."""
+        own = self._preconditioner_state(clone)
+        weights = self._layer_weights()
+        layers = dict(own["layers"])
+        for layer in self._layers:
+            if layer.expert_shard is not None and layer.name in layers and layers[layer.name]:
+                layers[layer.name] = global_layer_state(layer.expert_shard, weights[layer.name],
+                                                        layer.name, layers[layer.name])
+        return place(dict(own, layers=layers), weights, self._first_param(), self._state_key)
+
+    def _localised(self, own):
+        """A saved preconditioner state with each expert-parallel stack's layer state cut to
+        the experts held here (:func:`~.experts.parallel.local_layer_state`)."""
+        if own is None or "layers" not in own:
+            return own
+        layers = dict(own["layers"])
+        for layer in self._layers:
+            if layer.expert_shard is not None and layer.name in layers and layers[layer.name]:
+                layers[layer.name] = local_layer_state(layer.expert_shard, layer.name,
+                                                       layers[layer.name])
+        return dict(own, layers=layers)
 
     def _write_entry(self, param, name, value):
         """``state[param][name] = value`` for one of this preconditioner's entries: load it."""
         own = self._preconditioner_state(clone=False)
         if name == self._state_key:
             layer = next(n for n, w in self._layer_weights().items() if w is param)
+            value = self._localised({"layers": {layer: value}})["layers"][layer]
             own = dict(own, layers=dict(own["layers"], **{layer: value}))
         else:
             own = dict(own, **value)
@@ -500,7 +522,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         backup = self.preconditioner_state_dict()
         try:  # the preconditioner first: a mismatch leaves the backbone untouched
             if own is not None:
-                self.load_preconditioner_state_dict(own)
+                self.load_preconditioner_state_dict(self._localised(own))
             if state is not None and "param_groups" in state:
                 self.optimizer.load_state_dict(state)
         except Exception:

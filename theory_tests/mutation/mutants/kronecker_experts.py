@@ -9,6 +9,12 @@ T_TORCHTITAN = "torch_impl/kronecker/experts/torchtitan.py"
 T_TRANSFORMERS = "torch_impl/kronecker/experts/transformers.py"
 T_RECOMPUTE = "torch_impl/kronecker/experts/recompute.py"
 T_ARITHMETIC = "torch_impl/kronecker/experts/arithmetic.py"
+T_PARALLEL = "torch_impl/kronecker/experts/parallel.py"
+T_PLACEMENT = "torch_impl/kronecker/placement.py"
+T_MKOR = "torch_impl/mkor/preconditioner.py"
+T_KFAC = "torch_impl/baselines/kfac.py"
+T_CONTAINER = "torch_impl/integrations/torchtitan.py"
+EP_TWO = ("theory_tests/distributed/test_kronecker_ep.py::test_two_ep_ranks_train_as_one_process",)
 
 
 MUTANTS = {
@@ -67,8 +73,8 @@ MUTANTS = {
         Mutant(T_TORCHTITAN, "            g1, g3 = torch.autograd.grad(h, (u1, u3), g_h.to(h.dtype))",
                "            g1, g3 = g_h * u3, g_h * F.silu(u1)"),
         # w1 and w3 swapped in the recompute
-        Mutant(T_TORCHTITAN, "        w1, w3, w2 = (getattr(module, p).detach().to(dtype) for p in _PARAMS)",
-               "        w3, w1, w2 = (getattr(module, p).detach().to(dtype) for p in _PARAMS)"),
+        Mutant(T_TORCHTITAN, "        w1, w3, w2 = (_local_tensor(getattr(module, p)).detach().to(dtype) for p in _PARAMS)",
+               "        w3, w1, w2 = (_local_tensor(getattr(module, p)).detach().to(dtype) for p in _PARAMS)"),
         # the offsets off by one: each expert's segment starts a row early
         Mutant(T_TORCHTITAN, "        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)",
                "        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32) - 1"),
@@ -82,9 +88,8 @@ MUTANTS = {
         Mutant(T_TORCHTITAN, "                               (h.detach(), g_out)]",
                "                               (h.detach(), grad_out.detach()[:S])]"),
         # the structure check loosened: a subclass's own _grouped_mm / forward accepted
-        Mutant(T_TORCHTITAN, "            if getattr(type(module), method) is not getattr(base, method) or \\\n"
-                     "                    method in vars(module):",
-               "            if method in vars(module):"),
+        Mutant(T_TORCHTITAN, "            overridden = getattr(type(module), method) is not getattr(base, method)",
+               "            overridden = False"),
         # any class named GroupedExperts taken for torchtitan's
         Mutant(T_TORCHTITAN, "                 if c.__module__ == _MODULE and c.__qualname__ == _CLASS), None)",
                "                 if c.__qualname__ == _CLASS), None)"),
@@ -98,7 +103,29 @@ MUTANTS = {
         Mutant(T_TORCHTITAN, "                                           and getattr(dispatcher, \"ep_mesh\", 0) is None)",
                "                                           )"),
         # expert parallelism let through: DTensor parameters at capture
-        Mutant(T_TORCHTITAN, "        if any(_dtensor(getattr(module, n)) for n in _PARAMS):",
+        Mutant(T_TORCHTITAN, "        if shard is None and any(_dtensor(getattr(module, n)) for n in _PARAMS):",
                "        if False:"),
+    ],
+    "EXPERT-PARALLEL": [
+        # an expert's factors updated from another rank's rows: MKOR's stack sums all-reduced
+        # over every rank (other chunks' experts added to this chunk's)
+        Mutant(T_MKOR, "            VectorExchange(layers, model, o.exchange, layers[0].expert_shard.row_group, o.rank,",
+               "            VectorExchange(layers, model, o.exchange, process_group, o.rank,",
+               tests=EP_TWO),
+        # the same for K-FAC's stack sums
+        Mutant(T_KFAC, "        plan += [(None, layers, layers[0].expert_shard.row_group) for layers in by_rows.values()]",
+               "        plan += [(None, layers, self.process_group) for layers in by_rows.values()]",
+               tests=EP_TWO),
+        # a local expert index taken as the global one: every rank's chunk read as the first
+        Mutant(T_PARALLEL, "    return (c * per, (c + 1) * per)",
+               "    return (0, per)", tests=EP_TWO),
+        # a step that gathers what it should not: the stack's gradient gathered (and thrown
+        # away) -- the values unchanged, only the collectives counted see it
+        Mutant(T_PLACEMENT, "        self.weight, self.bias = (None if g is None else g.to_local() if is_dtensor(g) else g",
+               "        self.weight, self.bias = (None if g is None else (g.full_tensor(), g.to_local())[1] if is_dtensor(g) else g",
+               tests=EP_TWO),
+        # the data-parallel world read from the EP groups too: the container refuses the model
+        Mutant(T_CONTAINER, "                if not _beyond_fsdp(group):\n                    worlds.add(world)",
+               "                worlds.add(world)", tests=EP_TWO),
     ],
 }

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ..exchange import LOCAL
 
-__all__ = ["ExpertShard", "ep_problem", "expert_shard", "check_forward_chunk"]
+__all__ = ["ExpertShard", "ep_problem", "expert_shard", "check_forward_chunk",
+           "global_layer_state", "local_layer_state"]
 
 _GROUPS = {}  # tuple of ranks -> process group (every rank builds the same ones, in order)
 
@@ -91,7 +92,10 @@ def ep_problem(num_experts, params, ep_mesh):
     """None if the stacks ``params`` ({name: parameter}) of a module of ``num_experts``
     experts are laid out as EP on ``ep_mesh`` (module docstring), else what contradicts it."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import _StridedShard
+    if not isinstance(ep_mesh, DeviceMesh):
+        return f"its EP mesh is a {type(ep_mesh).__name__}, not a DeviceMesh"
     ep = ep_mesh.size()
     if ep_mesh.ndim != 1 or num_experts % ep:
         return (f"an EP mesh of {ep_mesh.ndim} dimensions and size {ep} for {num_experts} "
@@ -177,3 +181,43 @@ def check_forward_chunk(shard, weight, counts):
     elif weight.shape[0] != shard.n_seen:
         raise ValueError(f"the forward multiplied a plain stack of {weight.shape[0]} experts, "
                          f"not this rank's EP chunk {list(shard.seen)}")
+
+
+def _led(shard, name, key, value, lead):
+    if value.dim() == 0 or value.shape[0] != lead:
+        raise ValueError(f"{name}.{key}: a stack's state is led by its experts ({lead}), got "
+                         f"shape {tuple(value.shape)}")
+
+
+def global_layer_state(shard, weight, name, state):
+    """A held stack's layer state as checkpoints see it: each tensor (led by the held
+    experts) a DTensor of all E experts placed as the stack's ``weight`` (``Shard(0)`` on the
+    EP dimension, FSDP's dim-0 shard beside it), so DCP saves every rank's experts and loads
+    them into any layout: another EP degree, FSDP2 without EP, one process (plain tensors)."""
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for key, value in state.items():
+        if not torch.is_tensor(value):
+            out[key] = value
+            continue
+        _led(shard, name, key, value, shard.n_held)
+        shape = (shard.experts, *value.shape[1:])
+        out[key] = DTensor.from_local(value, weight.device_mesh, weight.placements,
+                                      run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+    return out
+
+
+def local_layer_state(shard, name, state):
+    """The held experts' part of a saved layer state: a DTensor's local shard (DCP loaded it
+    into :func:`global_layer_state`'s layout), or the held rows of all E experts' plain tensors
+    (``torch.save`` of one process)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, _dtensor_type()):
+            value = value.to_local()
+        elif torch.is_tensor(value):
+            _led(shard, name, key, value, shard.experts)
+            value = value[shard.held[0]:shard.held[1]]
+        out[key] = value
+    return out

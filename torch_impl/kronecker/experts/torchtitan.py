@@ -158,7 +158,8 @@ class GroupedExpertsLayout(ExpertsLayout):
         if ep_mesh is not None:
             why = ep_problem(E, params, ep_mesh)
             return None if why is None else (
-                f"{type(dispatcher).__qualname__} beside {cls} with an EP mesh: {why}")
+                f"{type(dispatcher).__qualname__} beside {cls} with an EP mesh (expert "
+                f"parallelism) not laid out as torchtitan's EP: {why}")
         if dispatcher is not None and not _local(dispatcher):
             return f"{type(dispatcher).__qualname__} beside {cls}: {_EP}"
         return None
