@@ -19,7 +19,8 @@ from theory_tests.support.distributed_harness import run
 
 GLOBAL_BATCH, STEPS = 4, 3
 CASES = {"MKOR": ({"lr": 1e-3}, {"backbone": "AdamW", "inv_freq": 2}),
-         "KFAC": ({"lr": 1e-3}, {"backbone": "AdamW", "inv_freq": 2, "damping": 1e-2})}
+         "KFAC": ({"lr": 1e-3}, {"backbone": "AdamW", "inv_freq": 2, "damping": 1e-2,
+                                      "kl_clip": 1e-6})}  # a KL clip that binds
 
 
 def _config(case):
@@ -97,14 +98,16 @@ def _dense_gathers(pre):
 
 def _dense_reductions(pre):
     """The sizes ``step()`` may all-reduce: the self-check's verdicts (3 per layer, 2 + E per
-    stack of E experts) and the dense layers' statistics packet(s)."""
+    stack of E experts), the dense layers' statistics packet(s) and K-FAC's KL clip."""
     sizes = {sum(3 if l.experts is None else 2 + (l.expert_shard or l).experts
                  for l in pre._layers)}
     if hasattr(pre, "_exchange"):  # MKOR
         sizes.add(pre._exchange.packet.numel)
-    else:  # K-FAC's replicated route (owners: none here)
+    else:  # K-FAC's replicated route (owners: none here), and its KL clip's one scalar:
+        # the sum of <V, G> over the experts, each held by one rank
         sizes.update(packet.numel for dst, _, packet, group in pre._routes
                      if group is pre.process_group)
+        sizes.add(1)
     return sizes
 
 

@@ -135,17 +135,41 @@ def _fsdp_on_ranks(rank, world, kind, placement, steps):
         pre = (MKOR(model, sgd, inv_freq=1, factor_dtype=f64, factor_placement="owner")
                if kind == "mkor" else
                KFAC(model, sgd, inv_freq=1, factor_freq=1, factor_placement="owner"))
+    from torch.distributed.tensor import DTensor
+
+    from theory_tests.support.collectives import Collectives
+    moved = []
     for t in range(steps):
         ids = _batch(t, rank)
         model(input_ids=ids, labels=ids).loss.backward()
-        pre.step()
+        with Collectives() as calls:
+            pre.step()
+        moved += [shape for _, shapes in calls.shapes for shape in shapes]
         pre.zero_grad()
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    stacks = {}
+    if placement == "owner":  # per expert: the experts of this rank's shard, saved as DTensors
+        entries = pre.state_dict()["state"]
+        index = {id(p): i for i, p in enumerate(q for g in pre.param_groups for q in g["params"])}
+        for layer in pre._layers:
+            if layer.experts is None:
+                continue
+            held = layer.module.weight.to_local().shape[0]
+            saved = entries[index[id(layer.module.weight)]][pre._state_key]
+            leaves = [(k, v) for k, value in saved.items() for v in (
+                value if isinstance(value, tuple) else (value,)) if torch.is_tensor(v)]
+            stacks[layer.name] = (held, layer.kept, layer.expert_shard.held,
+                                  [(k, type(v).__name__, tuple(v.shape),
+                                    tuple(v.to_local().shape) if isinstance(v, DTensor)
+                                    else None) for k, v in leaves])
+    return {"params": {n: p.full_tensor().detach().clone() for n, p in
+                       model.named_parameters()},
+            "moved": moved, "stacks": stacks}
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs():
-    """Every rank's {(kind, placement): its FSDP2 run's full parameters}."""
+    """Every rank's {(kind, placement): its FSDP2 run: full parameters, the shapes its steps'
+    collectives moved, its stacks' held experts and checkpoint entries (owner placement)}."""
     cases = tuple((kind, placement) for kind in KINDS for placement in PLACEMENTS)
     return run(_fsdp_job, WORLD, cases, STEPS, timeout=120.0)
 
@@ -156,6 +180,28 @@ def test_fsdp2_experts_equal_one_process_on_the_union(kind, placement, one_proce
     """fully_shard shards each stack on its expert axis; the stack's gradient is gathered
     whole, preconditioned per expert and written back to each rank's experts."""
     _, params = one_process[kind]
-    for got in (r[kind, placement] for r in fsdp_runs):
+    for got in (r[kind, placement]["params"] for r in fsdp_runs):
         for name, p in params.items():
             torch.testing.assert_close(got[name], p, rtol=1e-12, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_owner_placement_is_per_expert(kind, fsdp_runs):
+    """``factor_placement="owner"`` under FSDP2 (issue 48 item 3): each rank keeps the factors
+    of the experts its ``Shard(0)`` slice holds (4 of 8 here), its checkpoint entries are
+    ``Shard(0)`` DTensors of all 8 experts (DCP saves every rank's), and no collective of
+    ``step()`` moves a 3-D tensor: a stack's gradient is never gathered (the dense layers' 2-D
+    gradients go to their owners as before)."""
+    held = set()
+    for r in fsdp_runs:
+        got = r[kind, "owner"]
+        assert len(got["stacks"]) == 2
+        for name, (local, kept, span, saved) in got["stacks"].items():
+            assert local == kept == 4 and span[1] - span[0] == 4
+            held.add((name, span))
+            assert saved
+            for key, kind_of, shape, local_shape in saved:
+                assert kind_of == "DTensor" and shape[0] == 8 and local_shape[0] == 4, key
+        assert not [s for s in got["moved"] if len(s) == 3], got["moved"]
+        assert [s for s in r[kind, "replicated"]["moved"] if len(s) == 3]  # the control
+    assert len(held) == 4  # two stacks, each split over the two ranks

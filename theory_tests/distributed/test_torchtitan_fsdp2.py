@@ -84,8 +84,28 @@ def _whole(model, opts):
            "backbone": {names[p]: {k: whole(v) for k, v in s.items()}
                         for p, s in backbone.state.items()}}
     if opt is not backbone:
-        out["preconditioner"] = opt.preconditioner_state_dict()
+        out["preconditioner"] = _gathered_stacks(opt, opt.preconditioner_state_dict())
     return out
+
+
+def _gathered_stacks(opt, state):
+    """``state`` with each stack whose experts are spread over the ranks (per-expert owner
+    placement, expert parallelism) gathered whole, as the checkpoint lays it out (DTensors of
+    all experts), and kept on rank 0 alone: every layer then sits on one rank, as owner
+    placement's per-layer entries do (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    from torch_impl.kronecker.experts.parallel import global_layer_state
+    layers = dict(state["layers"])
+    for layer in opt._layers:
+        if layer.expert_shard is None:
+            continue
+        placed = global_layer_state(layer.expert_shard, layer.module.weight, layer.name,
+                                    layers[layer.name])
+        whole = {k: tuple(t.full_tensor() for t in v) if isinstance(v, tuple) else
+                 v.full_tensor() if torch.is_tensor(v) else v for k, v in placed.items()}
+        layers[layer.name] = whole if dist.get_rank() == 0 else {}
+    return dict(state, layers=layers)
 
 
 def _merged(states, replicated=False):

@@ -2,8 +2,9 @@
 a tensor (``torch.distributed.*``) and every functional collective (``_c10d_functional`` ops,
 what DTensor's redistributions and ``full_tensor`` run), with the elements each moves.
 
-``with Collectives() as seen: ...`` then ``seen.calls`` is [(name, elements)]; nested calls
-(a c10d function implemented by another) are counted once, at the outermost entry.
+``with Collectives() as seen: ...`` then ``seen.calls`` is [(name, elements)] and
+``seen.shapes`` the shapes of the tensors each call moved; nested calls (a c10d function
+implemented by another) are counted once, at the outermost entry.
 """
 import functools
 
@@ -17,6 +18,16 @@ _C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_objec
          "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
          "broadcast", "broadcast_object_list", "reduce", "gather", "scatter", "send", "recv",
          "isend", "irecv", "batch_isend_irecv")
+
+
+def _shapes(args):
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(tuple(a.shape))
+        elif isinstance(a, (list, tuple)):
+            out += _shapes(a)
+    return out
 
 
 def _elements(args):
@@ -35,8 +46,9 @@ class _Functional(TorchDispatchMode):
         self.record = record
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and not func.__name__.startswith("wait"):
-            self.record(f"functional.{func.__name__}", _elements(args))
+        if func.namespace == "_c10d_functional" and not func.__name__.startswith(("wait",
+                                                                                   "_wrap")):
+            self.record(f"functional.{func.__name__}", args)
         return func(*args, **(kwargs or {}))
 
 
@@ -45,20 +57,22 @@ class Collectives:
 
     def __init__(self):
         self.calls = []
+        self.shapes = []
         self._saved = {}
         self._depth = 0
         self._mode = None
 
-    def _record(self, name, elements):
+    def _record(self, name, args):
         if self._depth <= 1:
-            self.calls.append((name, elements))
+            self.calls.append((name, _elements(args)))
+            self.shapes.append((name, _shapes(args)))
 
     def _wrap(self, name, fn):
         @functools.wraps(fn)
         def counted(*args, **kwargs):
             self._depth += 1
             try:
-                self._record(name, _elements(list(args) + list(kwargs.values())))
+                self._record(name, list(args) + list(kwargs.values()))
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1

@@ -516,20 +516,25 @@ class KFAC(PreconditionedOptimizer):
 
     def _kl_clip_factor(self, work):
         """nu = min(1, sqrt(kappa / |lr^2 sum_m <V_m, G_m>|)) as a 0-d tensor (no host
-        sync); owner-placed layers' terms are summed on their owners and all-reduced."""
+        sync); owner-placed layers' terms are summed on their owners, and the terms of a
+        stack whose experts are spread over the ranks (expert parallelism, per-expert owners:
+        each expert held by one rank) on the ranks holding them, then all-reduced."""
         dev = self._layers[0].module.weight.device
         vg = torch.zeros((), dtype=self._dtype, device=dev)
         owned = torch.zeros((), dtype=self._dtype, device=dev)
-        for _, _, G_hat, V, owner_placed, seen in work:
+        spread = any(layer.expert_shard is not None for layer in self._layers)
+        for layer, _, G_hat, V, owner_placed, seen in work:
             if V is None:
                 continue
             term = torch.where(seen, V * G_hat, 0).sum().to(dev)  # the preconditioned only
-            if owner_placed:
+            if owner_placed or layer.expert_shard is not None:
                 owned = owned + term
             else:
                 vg = vg + term
-        if any(owner_placed for *_, owner_placed, _ in work):
-            dist.all_reduce(owned, group=next(iter(self._owners.values()))[1])
+        if spread or any(owner_placed for *_, owner_placed, _ in work):
+            group = (next(iter(self._owners.values()))[1] if self._owners
+                     else self.process_group)
+            dist.all_reduce(owned, group=group)
             vg = vg + owned
         lr = self.optimizer.param_groups[0]["lr"]
         vg = (vg * lr ** 2).abs()

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from ..common.sharding import assign_owners as lpt_owners, is_dtensor
 from .discovery import unwrap_model
+from .experts.parallel import fsdp_expert_shard
 from .layers import LayerType
 
 __all__ = ["SUPPORTED_PLACEMENTS", "check_supported_sharding", "FullGradients", "OwnerGradients",
@@ -181,9 +182,13 @@ def assign_owners(costs, world):
     return dict(zip(costs, lpt_owners(list(costs.values()), world)))
 
 
-def owner_map(layers, placement, owner):
+def owner_map(layers, placement, owner, split_stacks=True):
     """{layer name: (owning rank, process group)} for the layers whose factors live on one
-    rank (``placement == "owner"``: the FSDP2-sharded ones, on their 1-D mesh); {} otherwise."""
+    rank (``placement == "owner"``: the FSDP2-sharded ones, on their 1-D mesh); {} otherwise.
+    With ``split_stacks`` a stack of experts sharded ``Shard(0)`` over its experts is owned
+    per expert instead: each rank keeps the factors of the experts its shard holds
+    (``layer.expert_shard``, :func:`~.experts.parallel.fsdp_expert_shard`), so no gradient
+    moves for it; set here, before the preconditioner lays out its state and exchanges."""
     if placement != "owner":
         return {}
     # a stack under expert parallelism keeps its held experts' factors where they lie already
@@ -194,6 +199,17 @@ def owner_map(layers, placement, owner):
     if mesh.ndim != 1 or any(l.module.weight.device_mesh != mesh for l in sharded):
         raise ValueError(f"{owner}: factor_placement='owner' needs every sharded layer on one "
                          f"1-D mesh (FSDP2 without HSDP); use factor_placement='replicated'")
+    if split_stacks:
+        from torch.distributed.tensor import Shard
+        for layer in sharded:
+            w = layer.module.weight
+            if layer.experts is not None and layer.experts == w.shape[0] and \
+                    tuple(w.placements) == (Shard(0),):
+                layer.expert_shard = fsdp_expert_shard(layer.experts, w)
+                layer.kept = layer.expert_shard.n_held
+        sharded = [l for l in sharded if l.expert_shard is None]
+        if not sharded:
+            return {}
     costs = {l.name: (0 if l.identity_L else l.d_out ** 2) + (0 if l.identity_R else l.d_in ** 2)
              for l in sharded}
     group = mesh.get_group()
@@ -346,7 +362,9 @@ class ParameterBinding:
                 f"model, or pass the model and the optimizer together to "
                 f"accelerate's Accelerator.prepare(model, optimizer), which switches them")
         check_supported_sharding(unwrap_model(pre.model), self._layers, owner)
-        owners = owner_map(self._layers, placement, owner)
+        # a stack sharded only now keeps its whole-stack owner: its state and exchanges were
+        # laid out for every expert at construction
+        owners = owner_map(self._layers, placement, owner, split_stacks=False)
         for layer in self._layers:
             name, state = layer.name, pre._state[layer.name]
             if not owns(owners, name):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..exchange import LOCAL
 
-__all__ = ["ExpertShard", "ep_problem", "expert_shard", "check_forward_chunk",
+__all__ = ["ExpertShard", "ep_problem", "expert_shard", "fsdp_expert_shard", "check_forward_chunk",
            "global_layer_state", "local_layer_state"]
 
 _GROUPS = {}  # tuple of ranks -> process group (every rank builds the same ones, in order)
@@ -167,6 +167,16 @@ def expert_shard(num_experts, params, ep_mesh):
     return ExpertShard(num_experts, _chunk(num_experts, ep_mesh), (lo, lo + rows), group, size)
 
 
+def fsdp_expert_shard(num_experts, weight):
+    """The :class:`ExpertShard` of a stack FSDP2 shards ``Shard(0)`` over the experts on a 1-D
+    mesh, without EP (per-expert owner placement): every rank's capture sees all E experts
+    (the local dispatch), holds its shard's (possibly none), and the row group is the mesh."""
+    rows, lo = _offset(weight)
+    mesh = weight.device_mesh
+    return ExpertShard(num_experts, (0, num_experts), (lo, lo + rows), mesh.get_group(),
+                       mesh.size())
+
+
 def check_forward_chunk(shard, weight, counts):
     """At a capture: the forward's ``counts`` are the chunk's and its (unsharded) ``weight``
     sits at the chunk's offset; raises ``ValueError`` otherwise."""
@@ -189,35 +199,43 @@ def _led(shard, name, key, value, lead):
                          f"shape {tuple(value.shape)}")
 
 
+def _map(value, fn):
+    """``fn`` on each tensor of ``value`` (a tensor, or a tuple / list of them, e.g. K-FAC's
+    (eigenvalues, eigenvectors)); anything else as it is."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
 def global_layer_state(shard, weight, name, state):
     """A held stack's layer state as checkpoints see it: each tensor (led by the held
     experts) a DTensor of all E experts placed as the stack's ``weight`` (``Shard(0)`` on the
     EP dimension, FSDP's dim-0 shard beside it), so DCP saves every rank's experts and loads
     them into any layout: another EP degree, FSDP2 without EP, one process (plain tensors)."""
     from torch.distributed.tensor import DTensor
-    out = {}
-    for key, value in state.items():
-        if not torch.is_tensor(value):
-            out[key] = value
-            continue
-        _led(shard, name, key, value, shard.n_held)
-        shape = (shard.experts, *value.shape[1:])
-        out[key] = DTensor.from_local(value, weight.device_mesh, weight.placements,
+
+    def placed(key):
+        def fn(value):
+            _led(shard, name, key, value, shard.n_held)
+            shape = (shard.experts, *value.shape[1:])
+            return DTensor.from_local(value, weight.device_mesh, weight.placements,
                                       run_check=False, shape=torch.Size(shape),
                                       stride=torch.empty(shape, device="meta").stride())
-    return out
+        return fn
+    return {key: _map(value, placed(key)) for key, value in state.items()}
 
 
 def local_layer_state(shard, name, state):
     """The held experts' part of a saved layer state: a DTensor's local shard (DCP loaded it
     into :func:`global_layer_state`'s layout), or the held rows of all E experts' plain tensors
     (``torch.save`` of one process)."""
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, _dtensor_type()):
-            value = value.to_local()
-        elif torch.is_tensor(value):
+    def held(key):
+        def fn(value):
+            if isinstance(value, _dtensor_type()):
+                return value.to_local()
             _led(shard, name, key, value, shard.experts)
-            value = value[shard.held[0]:shard.held[1]]
-        out[key] = value
-    return out
+            return value[shard.held[0]:shard.held[1]]
+        return fn
+    return {key: _map(value, held(key)) for key, value in state.items()}
