@@ -137,12 +137,12 @@ def _fsdp_on_ranks(rank, world, kind, placement, steps):
                KFAC(model, sgd, inv_freq=1, factor_freq=1, factor_placement="owner"))
     from torch.distributed.tensor import DTensor
 
-    from theory_tests.support.collectives import Collectives
+    from theory_tests.support.collectives import CountCollectives
     moved = []
     for t in range(steps):
         ids = _batch(t, rank)
         model(input_ids=ids, labels=ids).loss.backward()
-        with Collectives() as calls:
+        with CountCollectives() as calls:
             pre.step()
         moved += [shape for _, shapes in calls.shapes for shape in shapes]
         pre.zero_grad()

@@ -1,99 +1,68 @@
-"""Count the collectives a block of code issues on this rank: every c10d entry point that moves
-a tensor (``torch.distributed.*``) and every functional collective (``_c10d_functional`` ops,
-what DTensor's redistributions and ``full_tensor`` run), with the elements each moves.
+"""Count the torch.distributed collectives a block of code issues on this rank.
 
-``with Collectives() as seen: ...`` then ``seen.calls`` is [(name, elements)] and
-``seen.shapes`` the shapes of the tensors each call moved; nested calls (a c10d function
-implemented by another) are counted once, at the outermost entry.
+:class:`CountCollectives` is a ``TorchDispatchMode`` that counts every operator of the
+namespaces through which torch moves a tensor between ranks:
+
+* ``c10d`` -- what ``torch.distributed``'s own functions (``all_reduce``, ``all_gather*``,
+  ``all_to_all*``, ``broadcast``, ``reduce*``, ``reduce_scatter*``, ``gather``, ``scatter``,
+  ``send`` / ``recv`` / ``isend`` / ``irecv``, the ``*_object`` ones over their tensors)
+  dispatch to, from Python or from the process group's C++;
+* ``_c10d_functional`` / ``c10d_functional`` / ``_c10d_functional_autograd`` -- the
+  functional collectives, which DTensor's redistributions (``full_tensor``, a
+  ``Partial`` -> ``Replicate`` of a norm) and FSDP2 issue.
+
+``wait_tensor`` moves nothing (it waits for one of the above) and is not counted. Each
+counted op is also recorded in ``calls`` as ``(name, elements)`` and in ``shapes`` as
+``(name, [shapes])``: the tensors among its arguments (what it moves, with its output buffers
+where an op takes them), so a test can tell which data travelled.  An op on
+DTensors is left to DTensor first (``NotImplemented``, as torch's ``CommDebugMode`` does),
+so the collectives its redistribution issues come back through the mode and are counted.
+``theory_tests/distributed/test_mars_ep.py::test_the_counter_sees_every_kind_of_collective``
+checks that each entry point above is seen.
 """
-import functools
+from collections import Counter
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Collectives"]
+__all__ = ["CountCollectives", "NAMESPACES"]
 
-_C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-         "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-         "broadcast", "broadcast_object_list", "reduce", "gather", "scatter", "send", "recv",
-         "isend", "irecv", "batch_isend_irecv")
+NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+_NOT_MOVING = ("wait_tensor", "_wrap_tensor_autograd")
 
 
-def _shapes(args):
+def _tensors(args):
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append(tuple(a.shape))
+            out.append(a)
         elif isinstance(a, (list, tuple)):
-            out += _shapes(a)
+            out += _tensors(a)
     return out
 
 
-def _elements(args):
-    total = 0
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            total += a.numel()
-        elif isinstance(a, (list, tuple)):
-            total += _elements(a)
-    return total
-
-
-class _Functional(TorchDispatchMode):
-    def __init__(self, record):
-        super().__init__()
-        self.record = record
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and not func.__name__.startswith(("wait",
-                                                                                   "_wrap")):
-            self.record(f"functional.{func.__name__}", args)
-        return func(*args, **(kwargs or {}))
-
-
-class Collectives:
-    """The collectives issued inside the ``with`` block (module docstring)."""
+class CountCollectives(TorchDispatchMode):
+    """``with CountCollectives() as count: ...``; then ``count.total`` and ``count.ops``
+    (a ``Counter`` of ``"namespace.name"``)."""
 
     def __init__(self):
-        self.calls = []
-        self.shapes = []
-        self._saved = {}
-        self._depth = 0
-        self._mode = None
-
-    def _record(self, name, args):
-        if self._depth <= 1:
-            self.calls.append((name, _elements(args)))
-            self.shapes.append((name, _shapes(args)))
-
-    def _wrap(self, name, fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            self._depth += 1
-            try:
-                self._record(name, list(args) + list(kwargs.values()))
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-        return counted
-
-    def __enter__(self):
-        for name in _C10D:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._saved[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
-        self._mode = _Functional(self._record)
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        return False
+        super().__init__()
+        self.ops = Counter()
+        self.calls, self.shapes = [], []
 
     @property
-    def elements(self):
-        return sum(n for _, n in self.calls)
+    def total(self):
+        return sum(self.ops.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into local ops and collectives
+        name = func._schema.name  # "c10d::allreduce_", "_c10d_functional::all_reduce", ...
+        namespace, _, op = name.partition("::")
+        if namespace in NAMESPACES and op not in _NOT_MOVING:
+            self.ops[f"{namespace}.{op}"] += 1
+            tensors = _tensors(list(args) + list((kwargs or {}).values()))
+            self.calls.append((f"{namespace}.{op}", sum(t.numel() for t in tensors)))
+            self.shapes.append((f"{namespace}.{op}", [tuple(t.shape) for t in tensors]))
+        return func(*args, **(kwargs or {}))

@@ -20,12 +20,13 @@ torch.optim conventions (as ``torch.optim.AdamW``):
   taken over the real view, are the complex norms.
 * ``maximize=True`` ascends: the step uses -g.
 * ``foreach``: True runs one ``torch._foreach_*`` kernel per operation over a group's
-  tensors (per device and dtype), with the same operations in the same order as the
-  per-tensor loop: bit-identical to it on the CPU in float64, float32, bf16 and fp16
-  (``theory_tests/mars/test_low_precision_paths.py``; a number multiplies through
-  ``tensor_ops.scalar_operand``, since torch's CPU ``_foreach_mul_`` would round it to
-  bf16 / fp16 first); False the loop; None (default) chooses like torch: foreach when every
-  parameter is a CUDA tensor, the loop otherwise (the CPU gains nothing from foreach).
+  tensors (per device, dtype and DTensor mesh: ``tensor_ops.foreach_groups``), with the same
+  operations in the same order as the per-tensor loop: bit-identical to it on the CPU in
+  float64, float32, bf16 and fp16 (``theory_tests/mars/test_low_precision_paths.py``; a
+  number multiplies through ``tensor_ops.scalar_operand``, since torch's CPU
+  ``_foreach_mul_`` would round it to bf16 / fp16 first); False the loop; None (default)
+  chooses like torch: foreach when every parameter is a CUDA tensor, the loop otherwise (the
+  CPU gains nothing from foreach).
 * ``state_dtype``, ``state_rounding``, ``rounding_seed``, ``kahan_sum``: the state's
   storage, as MARS's (``common/state_storage.py``): m and v stored in ``state_dtype``
   (``None``: the parameter's dtype), the step computed in the wider dtype (float32 at least
@@ -50,7 +51,7 @@ import torch
 
 from ..common import state_storage
 from ..common.scalars import step_scalar
-from ..common.tensor_ops import scalar_operand
+from ..common.tensor_ops import foreach_groups, scalar_operand
 from ..common.validation import check_betas, check_choice, check_number, check_torch_flags
 
 __all__ = ["LAMB"]
@@ -101,14 +102,12 @@ def _lamb_loop(params, grads, ms, vs, steps, group):
 
 
 def _lamb_foreach(params, grads, ms, vs, steps, group):
-    """The same step as :func:`_lamb_loop` with ``torch._foreach_*`` kernels, per (device,
-    dtype) bucket (the norms of a bucket are stacked for one trust-ratio computation)."""
+    """The same step as :func:`_lamb_loop` with ``torch._foreach_*`` kernels, per
+    ``tensor_ops.foreach_groups`` group (device, dtype, DTensor mesh: the norms of a group
+    are stacked for one trust-ratio computation, which a DTensor can do on one mesh only)."""
     beta1, beta2 = group["betas"]
     eps, weight_decay, lr = group["eps"], group["weight_decay"], group["lr"]
-    buckets = {}
-    for i, p in enumerate(params):
-        buckets.setdefault((p.device, p.dtype), []).append(i)
-    for idx in buckets.values():
+    for idx in foreach_groups(params):
         ps = [params[i] for i in idx]
         gs = [grads[i] for i in idx]
         ms_, vs_ = [ms[i] for i in idx], [vs[i] for i in idx]

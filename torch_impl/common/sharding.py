@@ -113,10 +113,16 @@ def on_full_matrix(fn, M, *args, **kwargs):
 
 def holds_whole_matrices(M):
     """Whether every shard of the DTensor stack ``M`` (..., A, B) holds whole matrices: each
-    placement replicates, or shards (plain ``Shard``) one of the leading dims, never A or B."""
+    placement replicates, or shards one of the leading dims, never A or B.  A leading-dim
+    shard is a plain ``Shard`` or a ``_StridedShard`` (which deals out the same dim in
+    strides): torchtitan's experts under expert parallelism and FSDP are
+    ``(_StridedShard(0, sf=ep), Shard(0))`` on its ``(efsdp, ep)`` mesh, whole experts on
+    every rank (issue 48)."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     return M.ndim > 2 and all(
-        isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim % M.ndim < M.ndim - 2)
+        isinstance(pl, Replicate) or (type(pl) in (Shard, _StridedShard)
+                                      and pl.dim % M.ndim < M.ndim - 2)
         for pl in M.placements)
 
 

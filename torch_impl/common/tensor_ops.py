@@ -15,8 +15,16 @@ table and runs unchanged on three kinds of operands:
 On the CPU, ``SINGLE`` and ``FOREACH`` round alike in every dtype (bf16 and fp16 included:
 ``theory_tests/mars/test_low_precision_paths.py``), because ``FOREACH`` multiplies by a number
 through ``scalar_operand`` (below).
+
+``FOREACH`` runs each equation as one ``torch._foreach_*`` call per :func:`foreach_groups`
+group of its tensors (device, dtype, DTensor mesh): a model under expert parallelism holds
+parameters on two meshes (torchtitan: dense ones on ``fsdp``, experts on ``(efsdp, ep)``), and
+DTensor refuses one call that spans both (issue 48).  A foreach kernel is elementwise per
+tensor, so the split changes no number; one group is the single call it always was.
 """
 import torch
+
+from .sharding import is_dtensor
 
 
 def scalar_operand(s):
@@ -38,6 +46,49 @@ def scalar_operand(s):
     if torch.is_tensor(s) or torch.compiler.is_compiling():
         return s
     return torch.tensor(s, dtype=torch.float64)
+
+
+def foreach_key(t):
+    """What the tensors of one ``torch._foreach_*`` call share: device, dtype and, for a
+    DTensor, its device mesh (``None`` for a plain tensor).
+
+    Why the mesh: DTensor runs a foreach op on one mesh, and makes a plain tensor operand
+    (``scalar_operand``'s 0-d scalar; LAMB's stacked trust ratios) a replicated DTensor on
+    the first tensor's mesh, so a list spanning two meshes fails ("Cannot run aten.mul.Tensor
+    on inputs with different meshes").  Placements need no split: DTensor propagates each
+    tensor of a foreach op on its own (``theory_tests/distributed/test_foreach_meshes.py``)."""
+    return t.device, t.dtype, (t.device_mesh if is_dtensor(t) else None)
+
+
+def foreach_groups(tensors):
+    """The positions of ``tensors`` grouped by :func:`foreach_key`, groups in order of first
+    appearance, positions ascending: the one rule by which MARS, MARS-M and LAMB batch
+    tensors into foreach kernels."""
+    groups = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(foreach_key(t), []).append(i)
+    return list(groups.values())
+
+
+def _per_group(kernel):
+    """``kernel(x, *args)`` run once per :func:`foreach_groups` group of the list ``x``:
+    every list argument is taken at the group's positions (they are parallel to ``x``:
+    tensors, or one scalar per tensor), any other argument passed whole.  A list result is
+    put back in ``x``'s order; an in-place kernel returns ``x`` itself."""
+    def run(x, *args):
+        groups = foreach_groups(x)
+        if len(groups) == 1:
+            return kernel(x, *args)
+        out = [None] * len(x)
+        for idx in groups:
+            part = kernel([x[i] for i in idx],
+                          *([a[i] for i in idx] if isinstance(a, list) else a for a in args))
+            for i, r in zip(idx, part):
+                out[i] = r
+        return x if all(a is b for a, b in zip(out, x)) else out
+    run.__name__ = kernel.__name__
+    run.__doc__ = kernel.__doc__
+    return run
 
 
 class _Single:
@@ -107,6 +158,7 @@ class _Single:
 
 
 class _Foreach:
+    """Every kernel runs per :func:`foreach_groups` group of its first list (``_per_group``)."""
     name = "foreach"
 
     @staticmethod
@@ -114,26 +166,31 @@ class _Foreach:
         return [fn(v) for v in x] if isinstance(x, list) else fn(x)
 
     @staticmethod
+    @_per_group
     def lerp_(x, y, w):
         torch._foreach_lerp_(x, y, w)
         return x
 
     @staticmethod
+    @_per_group
     def mul_(x, s):
         torch._foreach_mul_(x, scalar_operand(s))
         return x
 
     @staticmethod
+    @_per_group
     def div_(x, s):
         torch._foreach_div_(x, s)
         return x
 
     @staticmethod
+    @_per_group
     def add_(x, s):
         torch._foreach_add_(x, s)
         return x
 
     @staticmethod
+    @_per_group
     def add_scaled_(x, y, s):
         if isinstance(s, list):
             torch._foreach_add_(x, torch._foreach_mul(y, s))
@@ -142,26 +199,31 @@ class _Foreach:
         return x
 
     @staticmethod
+    @_per_group
     def addcmul_(x, a, b, s):
         torch._foreach_addcmul_(x, a, b, value=s) if not isinstance(s, list) \
             else torch._foreach_addcmul_(x, a, b, s)
         return x
 
     @staticmethod
+    @_per_group
     def addcdiv_(x, a, b, s):
         torch._foreach_addcdiv_(x, a, b, s) if isinstance(s, list) \
             else torch._foreach_addcdiv_(x, a, b, value=s)
         return x
 
     @staticmethod
+    @_per_group
     def sqrt(x):
         return torch._foreach_sqrt(x)
 
     @staticmethod
+    @_per_group
     def sign(x):
         return torch._foreach_sign(x)
 
     @staticmethod
+    @_per_group
     def maximum_(x, y):
         torch._foreach_maximum_(x, y)
         return x
@@ -173,10 +235,12 @@ class _Foreach:
         return x
 
     @staticmethod
+    @_per_group
     def norm(x):
         return list(torch._foreach_norm(x))
 
     @staticmethod
+    @_per_group
     def divide_by_clamped_(x, divisors):
         torch._foreach_div_(x, torch._foreach_clamp_min(divisors, 1.0))
         return x

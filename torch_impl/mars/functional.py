@@ -12,9 +12,9 @@ Newton-Schulz / SVD of a call once, on an owner rank, all of them in one exchang
 every rank and runs every orthogonalisation everywhere (``sharding.on_full_matrix``). Both
 give the same numbers; plain tensors are unaffected. The compiled MARS-M kernels
 (``compiled=True``) fuse Newton-Schulz into each matrix's kernel and keep ``"every_rank"``.
-A stack of matrices sharded on its leading dims only (FSDP2's ``Shard(0)`` of fused experts)
-is orthogonalised on each rank's own whole matrices in either mode, with no communication
-(``sharding.on_local_matrices``).
+A stack of matrices sharded on its leading dims only (FSDP2's ``Shard(0)`` of fused experts;
+torchtitan's expert-parallel ``(_StridedShard(0), Shard(0))``) is orthogonalised on each rank's
+own whole matrices in either mode, with no communication (``sharding.on_local_matrices``).
 
 ``matrix_batch_dims`` = k (both functions; issue 31): a tensor of ndim k + 2 is a stack of
 matrices whose k leading dims index them; each is clipped, scaled by its own shape and
@@ -168,7 +168,8 @@ def _single_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last,
 def _multi_tensor_mars(buffers, steps, kinds, hypers, scope, total, write_last, shampoo, scales,
                        deferred=None, matrix_batch_dims=0):
     """The same chain as one ``torch._foreach_*`` call per equation, per (route, device,
-    dtype) bucket."""
+    dtype) bucket (and per DTensor mesh within it: the ``FOREACH`` table splits each call by
+    ``tensor_ops.foreach_groups``)."""
     buckets = {}
     for i, (p, kind) in enumerate(zip(buffers[0], kinds)):
         buckets.setdefault((kind, p.device, p.dtype), []).append(i)

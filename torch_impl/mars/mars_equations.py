@@ -23,6 +23,7 @@ import torch
 
 from ..common.matrix_functions import gram_newton_schulz, newton_schulz, orthogonalize_svd
 from ..common.scalars import step_scalar
+from ..common.sharding import is_dtensor
 from ..common.tensor_ops import SINGLE
 
 ADAMW, LION, SHAMPOO, FALLBACK = "adamw", "lion", "shampoo", "fallback"
@@ -225,11 +226,31 @@ def clip_global_(cs, norms, ops=SINGLE):
 
 
 def global_norm(norms):
-    """sqrt(sum ||c_i||^2) of per-tensor norms (one device), ``None`` for no tensors."""
+    """sqrt(sum ||c_i||^2) of per-tensor norms (one device), ``None`` for no tensors.
+
+    Norms of DTensors on several device meshes (expert parallelism: dense tensors on one mesh,
+    experts on another; issue 48) cannot share one stack: each mesh's norms are combined on
+    that mesh, and those norms, made plain tensors (``full_tensor``: the same value on every
+    rank), then combined.  Norms of one mesh (or none) are stacked as they always were, and
+    DTensor norms mixed with plain ones still raise in the stack: a plain tensor's norm may be
+    one rank's own, which no other rank would add."""
     if not norms:
         return None
+    meshes = {}
+    for n in norms:
+        meshes.setdefault(n.device_mesh if is_dtensor(n) else None, []).append(n)
+    if len(meshes) > 1 and None not in meshes:
+        norms = [_full(_stacked_norm(ns)) for ns in meshes.values()]
+    return _stacked_norm(norms)
+
+
+def _stacked_norm(norms):
     device = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def _full(x):
+    return x.full_tensor() if is_dtensor(x) else x
 
 
 def momentum_(m, c, beta1, ops=SINGLE):

@@ -7,15 +7,15 @@ and such a mutant is expected to survive. Each row that names code has at least 
 of it, in the oracle and in the port where each exists (``theory_tests/project/
 test_claims_index.py``)."""
 from ..mutant import Mutant
-from . import (baselines, common, curvature, figures, integrations, kronecker, kronecker_capture,
-               kronecker_experts, low_precision, low_precision_factors, low_precision_quant,
-               mars, mkor, peer_conventions, readme_and_packaging)
+from . import (baselines, common, curvature, expert_parallel, figures, integrations, kronecker,
+               kronecker_capture, kronecker_experts, low_precision, low_precision_factors,
+               low_precision_quant, mars, mkor, peer_conventions, readme_and_packaging)
 
 __all__ = ["Mutant", "MUTANTS"]
 
 AREAS = (mars, mkor, kronecker, kronecker_capture, kronecker_experts, baselines, common,
          integrations, figures, peer_conventions, readme_and_packaging, curvature,
-         low_precision, low_precision_quant, low_precision_factors)
+         low_precision, low_precision_quant, low_precision_factors, expert_parallel)
 
 MUTANTS = {}
 for _area in AREAS:

@@ -243,8 +243,8 @@ MUTANTS = {
     ],
     "MOE-MARS-FSDP2": [
         # a stack sharded on a matrix dim taken for whole matrices: orthogonalised in pieces
-        Mutant(T_SHARDING, "        isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim % M.ndim < M.ndim - 2)",
-               "        isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim % M.ndim < M.ndim)"),
+        Mutant(T_SHARDING, "                                      and pl.dim % M.ndim < M.ndim - 2)",
+               "                                      and pl.dim % M.ndim < M.ndim)"),
         # whole matrices per rank all-gathered anyway (right numbers, needless communication)
         Mutant(T_SHARDING, "    if holds_whole_matrices(M):\n        return on_local_matrices(fn, M, *args, **kwargs)",
                "    if False:\n        return on_local_matrices(fn, M, *args, **kwargs)"),
