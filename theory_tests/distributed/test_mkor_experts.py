@@ -156,7 +156,7 @@ def _fsdp_on_ranks(rank, world, kind, placement, steps):
             held = layer.module.weight.to_local().shape[0]
             saved = entries[index[id(layer.module.weight)]][pre._state_key]
             leaves = [(k, v) for k, value in saved.items() for v in (
-                value if isinstance(value, tuple) else (value,)) if torch.is_tensor(v)]
+                value if isinstance(value, (tuple, list)) else (value,)) if torch.is_tensor(v)]
             stacks[layer.name] = (held, layer.kept, layer.expert_shard.held,
                                   [(k, type(v).__name__, tuple(v.shape),
                                     tuple(v.to_local().shape) if isinstance(v, DTensor)

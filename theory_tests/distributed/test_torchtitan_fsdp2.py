@@ -102,7 +102,7 @@ def _gathered_stacks(opt, state):
             continue
         placed = global_layer_state(layer.expert_shard, layer.module.weight, layer.name,
                                     layers[layer.name])
-        whole = {k: tuple(t.full_tensor() for t in v) if isinstance(v, tuple) else
+        whole = {k: tuple(t.full_tensor() for t in v) if isinstance(v, (tuple, list)) else
                  v.full_tensor() if torch.is_tensor(v) else v for k, v in placed.items()}
         layers[layer.name] = whole if dist.get_rank() == 0 else {}
     return dict(state, layers=layers)

@@ -199,13 +199,13 @@ def _led(shard, name, key, value, lead):
                          f"shape {tuple(value.shape)}")
 
 
-def _map(value, fn):
+def _map(value, fn, sequence=tuple):
     """``fn`` on each tensor of ``value`` (a tensor, or a tuple / list of them, e.g. K-FAC's
-    (eigenvalues, eigenvectors)); anything else as it is."""
+    (eigenvalues, eigenvectors)), the sequence rebuilt as ``sequence``; anything else as it is."""
     if torch.is_tensor(value):
         return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
+        return sequence(_map(v, fn, sequence) for v in value)
     return value
 
 
@@ -224,13 +224,15 @@ def global_layer_state(shard, weight, name, state):
                                       run_check=False, shape=torch.Size(shape),
                                       stride=torch.empty(shape, device="meta").stride())
         return fn
-    return {key: _map(value, placed(key)) for key, value in state.items()}
+    # a tuple is one opaque object to DCP (saved from one rank); a list of tensors is
+    # traversed, each tensor sharded: K-FAC's (eigenvalues, eigenvectors) travel as a list
+    return {key: _map(value, placed(key), list) for key, value in state.items()}
 
 
 def local_layer_state(shard, name, state):
     """The held experts' part of a saved layer state: a DTensor's local shard (DCP loaded it
     into :func:`global_layer_state`'s layout), or the held rows of all E experts' plain tensors
-    (``torch.save`` of one process)."""
+    (``torch.save`` of one process); a list of tensors back to the tuple it was."""
     def held(key):
         def fn(value):
             if isinstance(value, _dtensor_type()):
