@@ -22,7 +22,8 @@ import copy
 
 import torch
 
-__all__ = ["configure", "parallel_dims", "ep_model", "parallelize", "lm_step", "KINDS"]
+__all__ = ["configure", "parallel_dims", "ep_model", "parallelize", "sum_reductions", "lm_step",
+           "KINDS"]
 
 KINDS = ("qwen3", "deepseek_v3")
 SEQ = 16
@@ -150,6 +151,18 @@ def parallelize(model, kind, dims, dtype=torch.float64):
         from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as fn
     fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
        compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.gettempdir())
+    return model
+
+
+def sum_reductions(model):
+    """``model`` (sharded by :func:`parallelize`) with every FSDP unit's gradient reductions
+    forced to plain SUM. In float32 FSDP scales its reduce-scatter by torchtitan's divide
+    factor (1) with ``ReduceOp.PREMUL_SUM``, which gloo lacks (float64 avoids it: FSDP
+    divides apart for dtypes at risk of overflow); the sums are the same."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
