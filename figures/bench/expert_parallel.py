@@ -13,8 +13,9 @@ the ranks) in three layouts:
   half a chunk, the chunk's rows on 2 ranks); the dense layers FSDP-sharded over every rank,
   their factors replicated (the default);
 * **FSDP2 owner**: ``parallelize_qwen3`` without EP (FSDP over every rank, the stacks sharded
-  as plain parameters), ``factor_placement="owner"``: each layer's and each whole stack's
-  factors on one rank, its gradient gathered there and scattered back;
+  ``Shard(0)`` over their experts), ``factor_placement="owner"``: each dense layer's factors on
+  one rank, its gradient gathered there and scattered back; each expert's factors on the rank
+  whose shard holds it, its gradient preconditioned in place (per-expert owners, issue 48);
 * **FSDP2 replicated**: the same with ``factor_placement="replicated"``: every rank keeps every
   factor and all-gathers every gradient.
 
