@@ -204,3 +204,35 @@ def test_ep_by_fsdp_factors_as_one_process(kind, case):
     print(f"{kind} {case}: 4 ranks, EP 2 x efsdp 2 vs one process, one step: expert factors "
           f"{factors:.2e}")
     assert factors <= 1e-6
+
+
+def _refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from torch_impl.kronecker.experts.parallel import ep_problem
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
+    stack = torch.zeros(4, 8, 8)
+    placed = lambda *p: distribute_tensor(stack, mesh, list(p))  # noqa: E731
+    return {
+        "ep": ep_problem(4, {"w": placed(Shard(0), Replicate())}, mesh["ep"]),
+        "etp": ep_problem(4, {"w": placed(Shard(0), Shard(1))}, mesh["ep"]),
+        "ep dim": ep_problem(4, {"w": placed(Shard(1), Replicate())}, mesh["ep"]),
+        "plain": ep_problem(4, {"w": torch.nn.Parameter(stack)}, mesh["ep"]),
+        "uneven": ep_problem(3, {"w": placed(Shard(0), Replicate())}, mesh["ep"]),
+        "no mesh": ep_problem(4, {"w": placed(Shard(0), Replicate())}, object()),
+    }
+
+
+def test_what_ep_cannot_follow_is_refused_by_name():
+    """The layouts the capture cannot follow are named (``skip_reasons``): expert tensor
+    parallelism (an expert's matrix sharded on the ``tp`` dimension), a stack not ``Shard(0)``
+    on the EP dimension, plain stacks beside an EP dispatcher, an EP degree that does not
+    divide the experts, an EP mesh that is no DeviceMesh; torchtitan's own layout passes."""
+    for r in run(_refusals, 2):
+        assert r["ep"] is None
+        assert "expert tensor parallelism" in r["etp"]
+        assert "not Shard(0)" in r["ep dim"]
+        assert "not a DTensor" in r["plain"]
+        assert "dividing the experts" in r["uneven"]
+        assert "not a DeviceMesh" in r["no mesh"]

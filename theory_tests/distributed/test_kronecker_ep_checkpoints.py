@@ -1,7 +1,8 @@
 """Checkpoints of MKOR and K-FAC under expert parallelism, across layouts (issue 48).
 
 torchtitan's qwen3 MoE on its EP path (``theory_tests/support/torchtitan_ep.py``), float64,
-saved with DCP (torchtitan's ``ModelWrapper`` and our container's ``state_dict``) on 2 ranks at
+saved with DCP (torchtitan's ``ModelWrapper`` and our container's ``state_dict``: torchtitan's
+flat FQN-keyed layout, ``get_flat_optim_state_dict``) on 2 ranks at
 EP = 2 after 2 of 4 steps, loaded into a fresh job (another seed) in another layout:
 
 * EP = 2 on 2 ranks (the same layout), EP = 4 on 4 ranks, EP = 2 x efsdp 2 on 4 ranks,

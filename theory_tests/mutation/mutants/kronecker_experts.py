@@ -124,6 +124,14 @@ MUTANTS = {
         Mutant(T_PLACEMENT, "        self.weight, self.bias = (None if g is None else g.to_local() if is_dtensor(g) else g",
                "        self.weight, self.bias = (None if g is None else (g.full_tensor(), g.to_local())[1] if is_dtensor(g) else g",
                tests=EP_TWO),
+        # K-FAC's KL clip summing only this rank's experts' terms (never all-reduced)
+        Mutant(T_KFAC, "            if owner_placed or layer.expert_shard is not None:",
+               "            if owner_placed:", tests=EP_TWO),
+        # per-expert owners under FSDP2 dropped: the whole stack owned by one rank, its
+        # gradient gathered there (a 3-D tensor moved in step())
+        Mutant(T_PLACEMENT, "    if split_stacks:\n        from torch.distributed.tensor import Shard",
+               "    if False:\n        from torch.distributed.tensor import Shard",
+               tests=("theory_tests/distributed/test_mkor_experts.py::test_fsdp2_owner_placement_is_per_expert",)),
         # the data-parallel world read from the EP groups too: the container refuses the model
         Mutant(T_CONTAINER, "                if not _beyond_fsdp(group):\n                    worlds.add(world)",
                "                worlds.add(world)", tests=EP_TWO),
