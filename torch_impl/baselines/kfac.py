@@ -527,7 +527,7 @@ class KFAC(PreconditionedOptimizer):
             if V is None:
                 continue
             term = torch.where(seen, V * G_hat, 0).sum().to(dev)  # the preconditioned only
-            if owner_placed or layer.expert_shard is not None:
+            if owner_placed or getattr(layer, "expert_shard", None) is not None:
                 owned = owned + term
             else:
                 vg = vg + term

@@ -57,7 +57,7 @@ from ..common.optim_state import init_backbone_state
 from .placement import ParameterBinding
 from .report import CaptureReport, row_count
 from .state_layout import StateView, collect, packed_index, place, saved_param_ids
-from .experts.parallel import global_layer_state, local_layer_state
+from .experts.parallel import as_lists, as_tuples, global_layer_state, local_layer_state
 
 __all__ = ["PreconditionedOptimizer"]
 
@@ -442,21 +442,32 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         weights = self._layer_weights()
         layers = dict(own["layers"])
         for layer in self._layers:
-            if layer.expert_shard is not None and layer.name in layers and layers[layer.name]:
+            if not layers.get(layer.name) or layer.experts is None:
+                continue
+            if layer.expert_shard is not None:
                 layers[layer.name] = global_layer_state(layer.expert_shard, weights[layer.name],
                                                         layer.name, layers[layer.name])
+            else:  # a stack's state in the layout every placement of it shares (a tuple is
+                # one opaque object to DCP, a list of tensors is traversed), so a checkpoint
+                # moves between expert-parallel, per-expert-owner and replicated stacks
+                layers[layer.name] = as_lists(layers[layer.name])
         return place(dict(own, layers=layers), weights, self._first_param(), self._state_key)
 
     def _localised(self, own):
         """A saved preconditioner state with each expert-parallel stack's layer state cut to
-        the experts held here (:func:`~.experts.parallel.local_layer_state`)."""
+        the experts held here (:func:`~.experts.parallel.local_layer_state`), and every stack's
+        lists of tensors back to the tuples they were (:func:`~.experts.parallel.as_lists`)."""
         if own is None or "layers" not in own:
             return own
         layers = dict(own["layers"])
         for layer in self._layers:
-            if layer.expert_shard is not None and layer.name in layers and layers[layer.name]:
+            if not layers.get(layer.name) or layer.experts is None:
+                continue
+            if layer.expert_shard is not None:
                 layers[layer.name] = local_layer_state(layer.expert_shard, layer.name,
                                                        layers[layer.name])
+            else:
+                layers[layer.name] = as_tuples(layers[layer.name])
         return dict(own, layers=layers)
 
     def _write_entry(self, param, name, value):

@@ -125,7 +125,7 @@ MUTANTS = {
                "        self.weight, self.bias = (None if g is None else (g.full_tensor(), g.to_local())[1] if is_dtensor(g) else g",
                tests=EP_TWO),
         # K-FAC's KL clip summing only this rank's experts' terms (never all-reduced)
-        Mutant(T_KFAC, "            if owner_placed or layer.expert_shard is not None:",
+        Mutant(T_KFAC, "            if owner_placed or getattr(layer, \"expert_shard\", None) is not None:",
                "            if owner_placed:", tests=EP_TWO),
         # per-expert owners under FSDP2 dropped: the whole stack owned by one rank, its
         # gradient gathered there (a 3-D tensor moved in step())

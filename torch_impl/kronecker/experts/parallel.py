@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..exchange import LOCAL
 
 __all__ = ["ExpertShard", "ep_problem", "expert_shard", "fsdp_expert_shard", "check_forward_chunk",
-           "global_layer_state", "local_layer_state"]
+           "global_layer_state", "local_layer_state", "as_lists", "as_tuples"]
 
 _GROUPS = {}  # tuple of ranks -> process group (every rank builds the same ones, in order)
 
@@ -207,6 +207,16 @@ def _map(value, fn, sequence=tuple):
     if isinstance(value, (tuple, list)):
         return sequence(_map(v, fn, sequence) for v in value)
     return value
+
+
+def as_lists(state):
+    """A stack's layer state with its tuples of tensors as lists (what DCP traverses)."""
+    return {key: _map(value, lambda t: t, list) for key, value in state.items()}
+
+
+def as_tuples(state):
+    """:func:`as_lists` undone."""
+    return {key: _map(value, lambda t: t, tuple) for key, value in state.items()}
 
 
 def global_layer_state(shard, weight, name, state):
