@@ -157,7 +157,8 @@ def _fsdp_on_ranks(rank, world, kind, placement, steps):
             saved = entries[index[id(layer.module.weight)]][pre._state_key]
             leaves = [(k, v) for k, value in saved.items() for v in (
                 value if isinstance(value, (tuple, list)) else (value,)) if torch.is_tensor(v)]
-            stacks[layer.name] = (held, layer.kept, layer.expert_shard.held,
+            span = None if layer.expert_shard is None else layer.expert_shard.held
+            stacks[layer.name] = (held, layer.kept, span,
                                   [(k, type(v).__name__, tuple(v.shape),
                                     tuple(v.to_local().shape) if isinstance(v, DTensor)
                                     else None) for k, v in leaves])
@@ -197,6 +198,7 @@ def test_fsdp2_owner_placement_is_per_expert(kind, fsdp_runs):
         got = r[kind, "owner"]
         assert len(got["stacks"]) == 2
         for name, (local, kept, span, saved) in got["stacks"].items():
+            assert span is not None, f"{name}: not owned per expert"
             assert local == kept == 4 and span[1] - span[0] == 4
             held.add((name, span))
             assert saved
