@@ -171,11 +171,20 @@ def test_a_layout_the_parameters_contradict_is_refused_with_the_reason():
     assert not any(layer.experts for layer in found.layers)
 
 
-def test_expert_parallelism_is_refused_when_captured():
+def test_expert_parallelism_without_transformers_dispatch_is_refused():
+    """Experts marked expert-parallel (transformers' grouped_gemm sharding) without its
+    ep_dispatch_experts forward see sentinel ids for the other ranks' experts: skipped at
+    construction with the reason; marked after construction, the capture raises."""
     from torch_impl import MKOR
     model = _mixtral()
-    model.model.layers[0].mlp.experts._is_expert_parallel = True
+    experts = model.model.layers[0].mlp.experts
+    experts._is_expert_parallel = True
     mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "sentinel expert ids" in mkor.skip_reasons["model.layers.0.mlp.experts"]
+    mkor.remove()
+    experts._is_expert_parallel = False
+    mkor = MKOR(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    experts._is_expert_parallel = True
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     with pytest.raises(Exception, match="expert parallelism"):
         model(input_ids=ids, labels=ids).loss.backward()

@@ -10,11 +10,16 @@ T_TRANSFORMERS = "torch_impl/kronecker/experts/transformers.py"
 T_RECOMPUTE = "torch_impl/kronecker/experts/recompute.py"
 T_ARITHMETIC = "torch_impl/kronecker/experts/arithmetic.py"
 T_PARALLEL = "torch_impl/kronecker/experts/parallel.py"
+T_HF_EP = "torch_impl/kronecker/experts/transformers_ep.py"
 T_PLACEMENT = "torch_impl/kronecker/placement.py"
 T_MKOR = "torch_impl/mkor/preconditioner.py"
 T_KFAC = "torch_impl/baselines/kfac.py"
 T_CONTAINER = "torch_impl/integrations/torchtitan.py"
 EP_TWO = ("theory_tests/distributed/test_kronecker_ep.py::test_two_ep_ranks_train_as_one_process",)
+HF_EP = "theory_tests/distributed/test_kronecker_ep_transformers.py::"
+HF_EP_TWO = (HF_EP + "test_two_ep_ranks_train_as_one_process",)
+HF_EP_EMPTY = (HF_EP + "test_a_rank_whose_chunk_gets_no_row",)
+HF_EP_REFUSED = (HF_EP + "test_other_ep_layouts_are_refused_with_the_reason",)
 
 
 MUTANTS = {
@@ -135,5 +140,34 @@ MUTANTS = {
         # the data-parallel world read from the EP groups too: the container refuses the model
         Mutant(T_CONTAINER, "                if not _beyond_fsdp(group):\n                    worlds.add(world)",
                "                worlds.add(world)", tests=EP_TWO),
+    ],
+    "EXPERT-PARALLEL-HF": [
+        # the module's own call hooked: this rank's tokens with global expert ids, whose rows
+        # other ranks multiply
+        Mutant(T_TRANSFORMERS, "        return DispatchedCall(dispatch)", "        return module",
+               tests=HF_EP_TWO),
+        # the recompute multiplying the parameters as they are (DTensors of all experts), not
+        # the local chunk the dispatch's forward ran on
+        Mutant(T_TRANSFORMERS, "                                        else _local_projections(module))",
+               "                                        else expert_projections(module))",
+               tests=HF_EP_TWO),
+        # E read as the local count: the stacks' global shape contradicts it, the experts skipped
+        Mutant(T_HF_EP, "        self.experts = module.num_experts * self.ep_mesh.size()",
+               "        self.experts = module.num_experts", tests=HF_EP_TWO),
+        # transformers' methods left wrapped after remove()
+        Mutant(T_HF_EP, "            self.impl.experts_forward = self.original\n",
+               "            pass\n", tests=HF_EP_TWO),
+        # AllToAllEP's placeholder call on no received row read as one row of expert 0
+        Mutant(T_HF_EP, "            return hidden[:0], top_k_index[:0], top_k_weights[:0]",
+               "            return hidden, top_k_index, top_k_weights", tests=HF_EP_EMPTY),
+        # a call with no pair given rows of no width (the self-check cannot multiply them)
+        Mutant(T_TRANSFORMERS, "    if expert.numel() == 0:  # no pairs", "    if False:  # no pairs",
+               tests=HF_EP_EMPTY),
+        # AutoEP accepted with its all-reduce path (sentinel ids on a shared batch)
+        Mutant(T_HF_EP, "        if impl.all_reduce is not None or impl.megamoe is not None:",
+               "        if impl.megamoe is not None:", tests=HF_EP_REFUSED),
+        # the dispatch's EP mesh not tied to the stacks' placements
+        Mutant(T_TRANSFORMERS, "        why = ep_problem(E, _stacks(module), dispatch.ep_mesh)",
+               "        why = None", tests=HF_EP_REFUSED),
     ],
 }

@@ -92,4 +92,7 @@ class ExpertRows:
                     capture.committed(layer, counted=not replay)
             output.register_hook(hook)
 
-        return [(module, "forward", _guarded(first, experts_hook))]
+        # the module, or the call inside its forward that multiplies this rank's rows
+        # (transformers' expert-parallel dispatch)
+        target = first.module.layout.hook_target(module, first.module.expert_shard)
+        return [(target, "forward", _guarded(first, experts_hook))]

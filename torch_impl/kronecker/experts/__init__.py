@@ -5,7 +5,8 @@
   :class:`FusedExpertsType`) and the adapter protocol (:class:`ExpertsLayout`);
 * :mod:`.transformers` -- transformers 5's ``use_experts_implementation`` classes, their
   rows recomputed (:mod:`.recompute`) with the arithmetic read from their forward
-  (:mod:`.arithmetic`);
+  (:mod:`.arithmetic`), under transformers' own expert parallelism through its all-to-all
+  dispatch (:mod:`.transformers_ep`);
 * :mod:`.torchtitan` -- torchtitan's ``GroupedExperts``.
 
 Discovery asks :func:`experts_layout` which adapter, if any, describes a module.

@@ -80,6 +80,14 @@ class ExpertsLayout:
         their rows (``parent``: the module holding it, whose dispatcher may place it)."""
         raise NotImplementedError
 
+    def hook_target(self, module, shard=None):
+        """What the capture's forward hook goes on: the object whose forward hooks see each
+        call of the experts' forward on the rows it multiplies, as ``hook(module, args,
+        kwargs, output)``. The module itself, unless an expert-parallel dispatch inside its
+        forward hands the experts other rows (``shard``: the projections'
+        :class:`~.parallel.ExpertShard`)."""
+        return module
+
     def bind(self, module, args, kwargs, shard=None):
         """One call's inputs, bound by name to the class's forward; the first is the tensor
         whose leading dimensions index the call's rows (its token mask's layout). ``shard``:

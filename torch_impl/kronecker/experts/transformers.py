@@ -30,9 +30,16 @@ module's inputs and the gradient of its output, in the gradient hook: one more p
 the routed experts, with the module's own ``_apply_gate``, activation and norm, so every
 layout the decorator declares is handled, and with the arithmetic the forward really ran
 (its products' dtypes, bias adds, structure and accumulator), read in the forward hook from
-the forward itself (:mod:`.arithmetic`; the recompute: :mod:`.recompute`). Refused with the
-layout named: expert parallelism
-(sentinel expert ids); a forward that does not take (hidden_states, top_k_index,
+the forward itself (:mod:`.arithmetic`; the recompute: :mod:`.recompute`).
+
+**Expert parallelism**: transformers' own (``DistributedConfig(ep_size=...)``, all-to-all
+dispatch; :mod:`.transformers_ep`) makes each projection a stack of this rank's EP chunk
+(:mod:`.parallel`, the rule torchtitan's EP follows): the capture hooks the dispatch's call of
+the class forward on the rows it delivered (local expert ids, checked against the chunk at
+every capture, with the FSDP-unsharded weights' offset), the recompute multiplies the local
+experts, and the factors are those of the experts the rank holds. Refused with the layout
+named: other EP implementations (``AllReduceEP``'s sentinel ids, Mega MoE), EP parameters
+without transformers' dispatch; a forward that does not take (hidden_states, top_k_index,
 top_k_weights). :class:`TransformersExperts` is this layout's adapter
 (:mod:`.layout`; torchtitan's ``GroupedExperts`` is :mod:`.torchtitan`).
 """
@@ -42,7 +49,9 @@ import torch
 
 from .arithmetic import Arithmetic, Product, observe
 from .layout import ExpertProjection, ExpertsLayout, product_dtype
+from .parallel import check_forward_chunk, ep_problem, expert_shard
 from .recompute import ByExpert, Linear, eager_order, group_rows, in_pair_order
+from .transformers_ep import DispatchedCall, dispatch_of
 
 __all__ = ["TransformersExperts", "TRANSFORMERS", "is_fused_experts", "expert_projections",
            "expert_rows", "bind_expert_inputs", "observe_arithmetic"]
@@ -72,12 +81,28 @@ def is_fused_experts(module):
             and getattr(forward, "__wrapped__", None) is not None)
 
 
-def expert_projections(module):
+def expert_projections(module, shard=None):
     """[(parameter name, ExpertProjection)] of a fused experts module: the up (or gate-up)
-    projection, then the down projection."""
+    projection, then the down projection (``shard``: their :class:`~.parallel.ExpertShard`
+    under expert parallelism)."""
     up = "gate_up_proj" if module.has_gate else "up_proj"
     return [(n, ExpertProjection(module, n, TRANSFORMERS, n + "_bias" if module.has_bias else None,
-                                 module.is_transposed)) for n in (up, "down_proj")]
+                                 module.is_transposed, shard=shard)) for n in (up, "down_proj")]
+
+
+def _local(tensor):
+    """A DTensor's local tensor (what transformers' EP forward multiplies), a tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _local_projections(module):
+    """:func:`expert_projections` multiplying this rank's experts: each parameter's local
+    tensor (the FSDP-unsharded chunk the dispatch's forward ran on)."""
+    projections = expert_projections(module)
+    for _, p in projections:
+        p.weight = _local(p.weight)
+        p.bias = None if p.bias is None else _local(p.bias)
+    return projections
 
 
 def layout_problem(module):
@@ -90,7 +115,11 @@ def layout_problem(module):
         params = inspect.signature(type(module).forward).parameters
         return (f"fused experts whose forward takes {list(params)[1:]}, not (hidden_states, "
                 "top_k_index, top_k_weights): the routed rows cannot be followed")
-    E = module.num_experts
+    dispatch, why = dispatch_of(module)
+    if why is not None:
+        return f"fused experts under {why}"
+    # under EP, num_experts is this rank's count; the parameters hold all E (DTensors)
+    E = module.num_experts if dispatch is None else dispatch.experts
     for n in names:
         w = getattr(module, n)
         if w.dim() != 3 or w.shape[0] != E:
@@ -100,7 +129,19 @@ def layout_problem(module):
         d_out = w.shape[2] if module.is_transposed else w.shape[1]
         if module.has_bias and (b is None or tuple(b.shape) != (E, d_out)):
             return f"fused experts declare has_bias but {n}_bias is not an (E, {d_out}) tensor"
+    if dispatch is not None:
+        why = ep_problem(E, _stacks(module), dispatch.ep_mesh)
+        if why is not None:
+            return f"fused experts under transformers' expert parallelism not laid out as EP: {why}"
     return None
+
+
+def _stacks(module):
+    """{name: parameter} of the module's expert stacks (weights and biases)."""
+    names = [n for n, _ in expert_projections(module)]
+    if module.has_bias:
+        names += [n + "_bias" for n in names]
+    return {n: getattr(module, n) for n in names}
 
 
 def bind_expert_inputs(module, args, kwargs):
@@ -136,26 +177,44 @@ def _nothing_multiplied(module, hidden):
     return Arithmetic(products, hidden.dtype)
 
 
-def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out, arithmetic=None):
+def _no_rows(projection, product, device):
+    """(a, g) of a projection for no pairs: (0, d_in) and (0, d_out), in the product's dtype."""
+    _, rows, cols = projection.weight.shape
+    d_out, d_in = (cols, rows) if projection.transposed else (rows, cols)
+    return (torch.zeros(0, d_in, dtype=product.dtype, device=device),
+            torch.zeros(0, d_out, dtype=product.dtype, device=device))
+
+
+def expert_rows(module, hidden, top_k_index, top_k_weights, grad_out, arithmetic=None,
+                shard=None):
     """Every routed pair's rows of both projections, recomputed from the call's inputs and
     the gradient of its output with the forward's ``arithmetic``
     (:func:`observe_arithmetic`; :mod:`.recompute`; module docstring). Returns
     ``(token, expert, rows)``: ``token``, ``expert`` (S,) per pair in (token, slot) order,
     and ``rows`` a list of ``(a, g)`` per projection (up, down), each (S, d): a the rows the
     projection's product multiplied, g the gradient of that product's result. No graph is
-    kept. The caller runs it under the forward's autocast state."""
-    if getattr(module, "_is_expert_parallel", False):
-        raise ValueError("fused experts under expert parallelism (sentinel expert ids): the "
-                         "rows of the experts this rank does not hold are not here")
+    kept. The caller runs it under the forward's autocast state. Under expert parallelism
+    (``shard``) the call is the dispatch's, its expert ids local to this rank's EP chunk."""
     T, k = top_k_index.shape
     expert = top_k_index.reshape(-1)
+    if shard is None and getattr(module, "_is_expert_parallel", False):
+        raise ValueError("fused experts under expert parallelism without transformers' "
+                         "dispatch (sentinel expert ids): the rows of the experts this rank "
+                         "does not hold are not here")
+    if shard is not None:  # the chunk's ids and weights (a sentinel id makes E/ep + 1 counts)
+        check_forward_chunk(shard, getattr(module, expert_projections(module)[0][0]),
+                            torch.bincount(expert, minlength=shard.n_seen))
     token = torch.arange(T, device=expert.device).repeat_interleave(k)
-    (up_name, up), (down_name, down) = expert_projections(module)
+    (up_name, up), (down_name, down) = (expert_projections(module) if shard is None
+                                        else _local_projections(module))
     if arithmetic is None:  # read now (the caller runs under the forward's autocast)
         arithmetic = observe_arithmetic(module, hidden, top_k_index, top_k_weights)
     if arithmetic is None:
         arithmetic = _nothing_multiplied(module, hidden)
     names = (up_name, down_name)
+    if expert.numel() == 0:  # no pairs (AllToAllEP's placeholder call: none dispatched here)
+        return token, expert, [_no_rows(p, arithmetic.products[n], hidden.device)
+                               for n, p in ((up_name, up), (down_name, down))]
     x = hidden.detach()[token]
     weights = top_k_weights.detach().reshape(-1, 1)
     g_out = grad_out.detach()[token]
@@ -194,7 +253,19 @@ class TransformersExperts(ExpertsLayout):
         return layout_problem(module)
 
     def projections(self, module, parent=None):
-        return expert_projections(module)
+        dispatch, _ = dispatch_of(module)
+        shard = None if dispatch is None else expert_shard(
+            dispatch.experts, _stacks(module), dispatch.ep_mesh)
+        return expert_projections(module, shard)
+
+    def hook_target(self, module, shard=None):
+        if shard is None:
+            return module
+        dispatch, why = dispatch_of(module)
+        if dispatch is None:
+            raise ValueError(f"fused experts preconditioned under expert parallelism, now "
+                             f"{why or 'without it'}")
+        return DispatchedCall(dispatch)
 
     def bind(self, module, args, kwargs, shard=None):
         return bind_expert_inputs(module, args, kwargs)
@@ -203,7 +274,7 @@ class TransformersExperts(ExpertsLayout):
         return observe_arithmetic(module, *inputs)
 
     def rows(self, module, inputs, grad_out, arithmetic=None, shard=None):
-        return expert_rows(module, *inputs, grad_out, arithmetic)
+        return expert_rows(module, *inputs, grad_out, arithmetic, shard)
 
 
 TRANSFORMERS = TransformersExperts()
