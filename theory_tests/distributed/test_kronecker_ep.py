@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from theory_tests.support.distributed_harness import run
+from theory_tests.support.ep_checks import dense_gathers, dense_reductions, only_dense
 
 GLOBAL_BATCH, STEPS = 4, 3
 # the factors compared with one process's (an eigendecomposition is unique only up to the
@@ -85,49 +86,8 @@ def _job(rank, world, kind, case, ep, steps=STEPS):
     stacks = [l.name for l in pre._layers if l.experts is not None]
     return {"params": T.full_parameters(model), "factors": _expert_factors(pre),
             "stacks": stacks, "skipped": dict(pre.skip_reasons), "collectives": seen,
-            "bytes": pre.communicated_bytes, "gathers": _dense_gathers(pre),
-            "reductions": _dense_reductions(pre)}
-
-
-def _dense_gathers(pre):
-    """The elements of each FSDP2 gradient shard the dense preconditioned layers gather to
-    precondition it whole (weight, then bias), sorted: what ``step()`` may all-gather."""
-    from torch.distributed.tensor import DTensor
-    out = []
-    for layer in pre._layers:
-        if layer.expert_shard is not None:
-            continue
-        for p in (layer.module.weight, getattr(layer.module, "bias", None)):
-            if isinstance(p, DTensor) and p.requires_grad:
-                out.append(p.to_local().numel())
-    return sorted(out)
-
-
-def _dense_reductions(pre):
-    """The sizes ``step()`` may all-reduce: the self-check's verdicts (3 per layer, 2 + E per
-    stack of E experts), the dense layers' statistics packet(s) and K-FAC's KL clip."""
-    sizes = {sum(3 if l.experts is None else 2 + (l.expert_shard or l).experts
-                 for l in pre._layers)}
-    if hasattr(pre, "_exchange"):  # MKOR
-        sizes.add(pre._exchange.packet.numel)
-    else:  # K-FAC's replicated route (owners: none here), and its KL clip's one scalar:
-        # the sum of <V, G> over the experts, each held by one rank
-        sizes.update(packet.numel for dst, _, packet, group in pre._routes
-                     if group is pre.process_group)
-        sizes.add(1)
-    return sizes
-
-
-def _only_dense(rank_result):
-    """Every collective of every ``step()`` is one the dense layers need: their statistics
-    (all-reduced) and their FSDP2 gradient shards (all-gathered, once per layer and step);
-    nothing of an expert stack (its gradient, factors or statistics) travels."""
-    for calls in rank_result["collectives"]:
-        gathers = sorted(k for n, k in calls if "all_gather" in n)
-        others = [(n, k) for n, k in calls if "all_gather" not in n]
-        assert gathers == rank_result["gathers"], (gathers, rank_result["gathers"])
-        assert all(n == "c10d.allreduce_" and k in rank_result["reductions"]
-                   for n, k in others), others
+            "bytes": pre.communicated_bytes, "gathers": dense_gathers(pre),
+            "reductions": dense_reductions(pre)}
 
 
 def _compare(one, ranks):
@@ -162,7 +122,7 @@ def test_two_ep_ranks_train_as_one_process(kind, case):
     for r in ranks:
         assert r["stacks"] == one["stacks"] and len(r["stacks"]) >= 3
         assert not [n for n in r["skipped"] if "experts" in n and "shared" not in n]
-        _only_dense(r)
+        only_dense(r)
     params, factors = _compare(one, ranks)
     print(f"{kind} {case}: EP 2 vs one process: parameters {params:.2e}, "
           f"expert factors {factors:.2e}")
@@ -180,7 +140,7 @@ def test_four_ep_ranks_train_as_one_process(kind, case):
     (one,) = run(_job, 1, kind, case, 1)
     ranks = run(_job, 4, kind, case, 4, timeout=600)
     for r in ranks:
-        _only_dense(r)
+        only_dense(r)
     params, factors = _compare(one, ranks)
     print(f"{kind} {case}: 4 ranks, EP 4 vs one process: parameters {params:.2e}, "
           f"expert factors {factors:.2e}")

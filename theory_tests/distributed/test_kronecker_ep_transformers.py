@@ -21,15 +21,16 @@ Two things outside the preconditioner are pinned here, measured:
   experts' efsdp mesh of one rank, so the stacks' gradients are exactly half one process's
   (asserted at step 0; float32 is not affected). The jobs double them, an exact operation,
   before ``step()``.
-* K-FAC's KL-clip sums <V, G> over the layers this rank preconditions; under EP each rank adds
-  only its own experts' terms, so nu differs between ranks (measured 0.060755 / 0.060779
-  against one process's 0.060738 at step 0). The K-FAC runs here set ``kl_clip=None``; the
-  clipped run is an expected failure (slow), a change for ``torch_impl/baselines/kfac.py``.
+* K-FAC's KL clip sums <V, G> over every layer; under EP each rank holds only its experts'
+  terms, which ``_kl_clip_factor`` all-reduces (one scalar). Before that, nu differed between
+  ranks (measured 0.060755 / 0.060779 against one process's 0.060738 at step 0). The default
+  K-FAC runs here set ``kl_clip=None``; the clipped run is slow.
 """
 import pytest
 import torch
 
 from theory_tests.support.distributed_harness import run
+from theory_tests.support.ep_checks import dense_gathers, dense_reductions, only_dense
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,7 +107,7 @@ def _to_chunk_zero(model):
 def _job(rank, world, path, family, case, steps=STEPS, kl_clip=None, route=False):
     import warnings
 
-    from theory_tests.support.collectives import Collectives
+    from theory_tests.support.collectives import CountCollectives
     warnings.simplefilter("ignore")
     model = _load(path, family, world)
     if route:
@@ -121,7 +122,7 @@ def _job(rank, world, path, family, case, steps=STEPS, kl_clip=None, route=False
         if world > 1:  # torch's double division of float64 on the 1-rank efsdp mesh (module doc)
             for p in _stacks(model).values():
                 p.grad.to_local().mul_(2)
-        with Collectives() as calls:
+        with CountCollectives() as calls:
             pre.step()
         seen.append(calls.calls)
         pre.zero_grad()
@@ -129,7 +130,7 @@ def _job(rank, world, path, family, case, steps=STEPS, kl_clip=None, route=False
            "factors": _expert_factors(pre), "grads": grads,
            "stacks": [l.name for l in pre._layers if l.experts is not None],
            "skipped": dict(pre.skip_reasons), "collectives": seen,
-           "gathers": _dense_gathers(pre), "reductions": _dense_reductions(pre),
+           "gathers": dense_gathers(pre), "reductions": dense_reductions(pre),
            "rows": {n: r["rows"] for n, r in pre.capture_report().items() if n.startswith(EXPERTS)}}
     if world > 1:
         pre.remove()
@@ -160,43 +161,6 @@ def _expert_factors(pre):
                 for i in range(value.shape[0]):
                     out[(layer.name, lo + i, key)] = value[i].to(F64).clone()
     return out
-
-
-def _dense_gathers(pre):
-    """Elements of each FSDP2 gradient shard of the dense layers (what step() all-gathers)."""
-    from torch.distributed.tensor import DTensor
-    out = []
-    for layer in pre._layers:
-        if layer.expert_shard is not None:
-            continue
-        for p in (layer.module.weight, getattr(layer.module, "bias", None)):
-            if isinstance(p, DTensor) and p.requires_grad:
-                out.append(p.to_local().numel())
-    return sorted(out)
-
-
-def _dense_reductions(pre):
-    """The sizes step() may all-reduce: the self-check's verdicts (3 per layer, 2 + E per
-    stack of E experts) and the dense layers' statistics packet(s)."""
-    sizes = {sum(3 if l.experts is None else 2 + (l.expert_shard or l).experts
-                 for l in pre._layers)}
-    if hasattr(pre, "_exchange"):  # MKOR
-        sizes.add(pre._exchange.packet.numel)
-    else:
-        sizes.update(packet.numel for dst, _, packet, group in pre._routes
-                     if group is pre.process_group)
-    return sizes
-
-
-def _only_dense(result):
-    """Every collective of every step() is the dense layers': statistics and verdicts
-    all-reduced, FSDP2 gradient shards all-gathered once per layer; nothing of a stack."""
-    for calls in result["collectives"]:
-        calls = [(n, k) for n, k in calls if not n.startswith("functional._wrap")]
-        gathers = sorted(k for n, k in calls if "all_gather" in n)
-        others = [(n, k) for n, k in calls if "all_gather" not in n]
-        assert gathers == result["gathers"], (gathers, result["gathers"])
-        assert all(n == "all_reduce" and k in result["reductions"] for n, k in others), others
 
 
 def _compare(one, ranks):
@@ -236,7 +200,7 @@ def test_two_ep_ranks_train_as_one_process(saved, family, case):
     for r in ranks:
         assert r["stacks"] == one["stacks"] == [EXPERTS + ".gate_up_proj", EXPERTS + ".down_proj"]
         assert EXPERTS not in r["skipped"]
-        _only_dense(r)
+        only_dense(r)
         assert r["restored"]
     twice, plain = _halved(one, ranks)
     assert twice <= 1e-15 < 1e-6 <= plain  # torch's float64 double division (module docstring)
@@ -295,10 +259,9 @@ def test_other_ep_layouts_are_refused_with_the_reason(saved, implementation, tp,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="K-FAC's KL-clip sums <V, G> over this rank's experts "
-                   "only (torch_impl/baselines/kfac.py::_kl_clip_factor), so nu differs "
-                   "between EP ranks and from one process")
 def test_kfac_with_its_kl_clip_trains_as_one_process(saved):
+    """A KL clip that binds (nu about 0.06): the sum of <V, G> over every expert, each held by
+    one rank, all-reduced (one scalar), so nu is one process's on every rank."""
     (one,) = run(_job, 1, saved["qwen3_moe"], "qwen3_moe", "KFAC", STEPS, 1e-3)
     ranks = run(_job, WORLD, saved["qwen3_moe"], "qwen3_moe", "KFAC", STEPS, 1e-3, timeout=120)
     params, _ = _compare(one, ranks)

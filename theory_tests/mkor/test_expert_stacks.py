@@ -42,7 +42,9 @@ def test_stacked_factor_update_is_the_per_matrix_update(variant, first):
 
 def _layer(experts=E, d_out=3, d_in=D, bias=False):
     weight = torch.zeros(experts, d_out, d_in, dtype=f64) if experts else torch.zeros(d_out, d_in)
-    return types.SimpleNamespace(experts=experts, d_out=d_out, d_in=d_in + bias, has_bias=bias,
+    # kept: the experts whose factors this rank keeps (all of them without expert parallelism)
+    return types.SimpleNamespace(experts=experts, kept=experts, expert_shard=None, d_out=d_out,
+                                 d_in=d_in + bias, has_bias=bias,
                                  identity_L=False, identity_R=False,
                                  module=types.SimpleNamespace(weight=weight))
 
