@@ -63,11 +63,19 @@ def _job(rank, world, kind, case, ep, steps=STEPS):
     from theory_tests.support import torchtitan_ep as T
     from theory_tests.support.collectives import CountCollectives
     warnings.simplefilter("ignore")
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+    from theory_tests.support.torchtitan_cases import OneProcess
     T.configure()
-    model = T.ep_model(kind, ep)
+    model = T.ep_model(kind, ep, load_balance=True)
+    dims = OneProcess()
     if world > 1:
-        T.parallelize(model, kind, T.parallel_dims(world, ep))
+        dims = T.parallel_dims(world, ep)
+        T.parallelize(model, kind, dims)
     opts = _config(case).build(model_parts=[model])
+    # the expert bias of auxiliary-loss-free load balancing, as torchtitan's trainer registers
+    # it: its token counts summed over the loss mesh before each step
+    register_moe_load_balancing_hook(opts, [model], dims)
     pre = opts.optimizers[0]
     per = GLOBAL_BATCH // world
     seen = []
@@ -87,7 +95,14 @@ def _job(rank, world, kind, case, ep, steps=STEPS):
     return {"params": T.full_parameters(model), "factors": _expert_factors(pre),
             "stacks": stacks, "skipped": dict(pre.skip_reasons), "collectives": seen,
             "bytes": pre.communicated_bytes, "gathers": dense_gathers(pre),
-            "reductions": dense_reductions(pre)}
+            "reductions": dense_reductions(pre) | {_balance_counts(model)}}
+
+
+def _balance_counts(model):
+    """What torchtitan's load-balancing hook all-reduces before each step (not ours): the
+    token counts of every MoE layer's experts, concatenated."""
+    return sum(m.tokens_per_expert_E.numel() for m in model.modules()
+               if type(m).__name__ == "MoE" and getattr(m, "load_balance_coeff", None))
 
 
 def _compare(one, ranks):

@@ -114,7 +114,10 @@ def llama3_8b_mkor():
 # torchtitan's qwen3 MoE FQNs: the routed experts' stacks (layers.N.moe.routed_experts.
 # inner_experts.w1_EFD, ...), 3-D: MARS-M orthogonalises each expert (matrix_batch_dims=1)
 EXPERT_STACKS = r"^layers\.\d+\.moe\.routed_experts\.inner_experts\.w\d_E..$"
-QWEN3_MATRICES = r"^layers\.\d+\.(attention|moe\.router|moe\.shared_experts)\..*\.weight$"
+# the other matrices of its blocks: attention projections, the router's gate, shared experts
+# (not the 1-D q/k norms beside them)
+QWEN3_MATRICES = (r"^layers\.\d+\.(attention\.(qkv_linear\.)?w\w*|moe\.router\.gate"
+                  r"|moe\.shared_experts\.w\d)\.weight$")
 
 
 def with_expert_parallelism(config, optimizer, ep=2):
@@ -124,6 +127,9 @@ def with_expert_parallelism(config, optimizer, ep=2):
     orthogonalises each expert there (issue 48). Expert tensor parallelism is refused by name."""
     config = with_optimizer(config, optimizer)
     config.parallelism.expert_parallel_degree = ep
+    # torchtitan's all-to-all dispatcher reads its split sizes on the host, which a CUDA graph
+    # cannot capture: torchtitan refuses the config unless its graphs are off
+    config.training.disable_cuda_graphs = True
     return config
 
 

@@ -180,7 +180,7 @@ MUTANTS = {
                "                self._write(layer, grads, V if scale is None else V * scale)"),
         # K-FAC owner placement: the owners' KL-clip terms not summed over the ranks (each
         # rank clips with its own layers' sum); the statistics reduced to rank 0 whoever owns
-        Mutant(T_KFAC, "            dist.all_reduce(owned, group=next(iter(self._owners.values()))[1])",
+        Mutant(T_KFAC, "            dist.all_reduce(owned, group=group)",
                "            pass"),
         Mutant(T_KFAC, "                groups.setdefault(dist.get_global_rank(group, rank), []).append(layer)",
                "                groups.setdefault(0, []).append(layer)"),
