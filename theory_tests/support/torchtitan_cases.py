@@ -12,7 +12,7 @@ import io
 import torch
 from torchtitan.components.optimizer import ParamGroupConfig
 
-from theory_tests.support.torchtitan_ep import _build, ep_model
+from theory_tests.support.torchtitan_ep import _build, ep_model, lm_step  # noqa: F401
 from torch_impl.integrations.torchtitan import Optimizers
 
 SEQ = 16
@@ -69,21 +69,6 @@ def debug_model(seed=0, dtype=torch.float64):
 def tokens(step, batch, vocab=2048):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
-
-
-def lm_step(model, optimizers, batch_tokens, world=1):
-    """One step of next-token loss, torchtitan's way: the local sum over tokens divided by
-    the global token count (its FSDP sums gradients over the ranks, no division:
-    ``disable_fsdp_gradient_division``), so the gradient is the global batch's mean."""
-    inputs, labels = batch_tokens[:, :-1], batch_tokens[:, 1:]
-    positions = torch.arange(inputs.shape[1]).repeat(inputs.shape[0], 1)
-    logits = model(inputs, positions=positions)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                             reduction="sum") / (labels.numel() * world)
-    loss.backward()
-    optimizers.step()
-    optimizers.zero_grad()
-    return loss.detach()
 
 
 def moe_model(seed=0, dtype=torch.float64, dim=32, layers=2, experts=4, top_k=2, hidden=16,

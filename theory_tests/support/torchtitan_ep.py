@@ -172,8 +172,10 @@ def tokens(step, batch, vocab=64):
 
 
 def lm_step(model, optimizers, batch_tokens, world=1):
-    """One step of next-token loss, torchtitan's way (the local token sum over the global
-    token count); ``optimizers`` None: forward and backward only."""
+    """One step of next-token loss, torchtitan's way: the local sum over tokens divided by
+    the global token count (its FSDP sums gradients over the ranks, no division:
+    ``disable_fsdp_gradient_division``), so the gradient is the global batch's mean;
+    ``optimizers`` None: forward and backward only."""
     inputs, labels = batch_tokens[:, :-1], batch_tokens[:, 1:]
     positions = torch.arange(inputs.shape[1]).repeat(inputs.shape[0], 1)
     logits = model(inputs, positions=positions)
