@@ -1,6 +1,7 @@
 """Which torchtitan experts modules MKOR and K-FAC take as stacks, and what they refuse
 (``torch_impl/kronecker/experts/torchtitan.py``): recognised from structure (class, parameters,
-methods), never from a coincidence of names or shapes; expert parallelism refused."""
+methods), never from a coincidence of names or shapes; an EP dispatcher beside stacks not laid
+out as torchtitan's EP refused (EP itself: ``theory_tests/distributed/test_kronecker_ep.py``)."""
 import pytest
 import torch
 import torch.nn as nn
