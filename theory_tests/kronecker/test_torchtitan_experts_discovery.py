@@ -125,6 +125,22 @@ def test_an_ep_token_dispatcher_is_refused_at_construction():
     assert "expert parallelism" in _mkor(model).skip_reasons[name]
 
 
+
+def test_the_padding_dispatcher_with_an_ep_mesh_is_refused():
+    """torchtitan's TorchAOTokenDispatcher (an all-to-all dispatcher padding each expert's
+    group for quantized grouped mms) falls back to the local dispatch while no EP mesh is
+    wired (accepted); with one wired it is expert parallelism along a path the capture does
+    not follow (its padded groups): refused, naming expert parallelism."""
+    from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
+    model = moe_model(layers=1)
+    routed = model.layers["0"].moe.routed_experts
+    routed.token_dispatcher = TorchAOTokenDispatcher(TorchAOTokenDispatcher.Config(
+        num_experts=4, top_k=2, pad_multiple=16))
+    name = "layers.0.moe.routed_experts.inner_experts"
+    assert name not in _mkor(model).skip_reasons
+    routed.token_dispatcher.ep_mesh = object()
+    assert "expert parallelism" in _mkor(model).skip_reasons[name]
+
 def _dtensor_experts(rank, world):
     """Parameters that are DTensors when the module runs (GroupedExperts' to_local path, what
     EP's parallelisation leaves): the capture refuses, naming expert parallelism."""
