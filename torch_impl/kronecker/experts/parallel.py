@@ -37,7 +37,8 @@ from ..exchange import LOCAL
 __all__ = ["ExpertShard", "ep_problem", "expert_shard", "fsdp_expert_shard", "check_forward_chunk",
            "global_layer_state", "local_layer_state", "as_lists", "as_tuples"]
 
-_GROUPS = {}  # tuple of ranks -> process group (every rank builds the same ones, in order)
+# (default group, tuple of ranks) -> process group (every rank builds the same ones, in order)
+_GROUPS = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +149,12 @@ def _row_group(p, ep_name):
         return LOCAL, 1
     me = dist.get_rank()
     mine = None
+    world = id(dist.distributed_c10d._get_default_group())  # a re-initialised job: new groups
     for column in ranks.t().tolist():
-        key = tuple(column)
+        key = (world, tuple(column))
         if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group(list(key))
-        if me in key:
+            _GROUPS[key] = dist.new_group(list(column))
+        if me in column:
             mine = _GROUPS[key]
     return mine, ranks.shape[0]
 
